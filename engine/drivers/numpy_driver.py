@@ -1,0 +1,59 @@
+"""The CPU driver: NumPy arrays and the host's BLAS."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from ..models import llama
+from ..plan import DeviceInfo, Plan
+from .base import Driver, RowWork, StepOutput
+
+CPU_ROWS = 32  # rows a CPU steps at far less than 32x the cost of one (weights read once)
+
+
+def host_memory_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+class NumpyDriver(Driver):
+    backend = "numpy"
+
+    def __init__(self, memory_bytes: int | None = None, mutations: frozenset[str] = frozenset()):
+        super().__init__()
+        self._memory = memory_bytes
+        self.mutations = mutations  # deliberate defects, for tests that prove checks can fail
+        self._last_rows = None
+
+    def device(self) -> DeviceInfo:
+        memory = self._memory if self._memory is not None else host_memory_bytes()
+        return DeviceInfo("numpy", "cpu", memory, CPU_ROWS)
+
+    def prepare(self, plan: Plan, model) -> None:
+        self.plan = plan
+        self.config = model.config
+        self.model = llama.prepare_llama(model.config, model.weights, plan.positions, np)
+        self._built()
+        slots = plan.num_blocks * plan.block_size
+        shape = (slots, model.config.num_kv_heads, model.config.head_dim)
+        # np.zeros maps pages lazily, so an unused KV pool costs no memory.
+        self.kv = [(np.zeros(shape, np.float32), np.zeros(shape, np.float32)) for _ in range(model.config.num_layers)]
+        self._built()
+
+    def _run(self, batch: list[RowWork]) -> StepOutput:
+        if "recompile_on_batch_change" in self.mutations and len(batch) != self._last_rows:
+            self._built()
+        self._last_rows = len(batch)
+        layout = llama.step_layout(batch, self.plan.block_size, "shared_position" in self.mutations)
+        tokens = np.concatenate([w.tokens for w in batch]).astype(np.int64)
+        logits = llama.forward(np, self.config, self.model, self.kv, tokens, layout,
+                               mask_lengths="no_length_mask" not in self.mutations)
+        return StepOutput(np.ascontiguousarray(logits, dtype=np.float32))

@@ -1,0 +1,343 @@
+"""The engine: one scheduling loop on one thread, for every request, backend and family.
+
+Each iteration runs five phases, in this order:
+  1. take the jobs the server queued, and tokenize them;
+  2. release every request whose owner stopped waiting;
+  3. open waiting requests, oldest first, while a row and KV room remain;
+  4. step the rows that have work, within the per-step token budget;
+  5. commit the tokens each row picked, apply the stop rules, and stream what was kept.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import sampler
+from .blocks import BlockPool
+from .drivers.base import DeviceFault, Driver, StepRefused
+from .events import Accepted, Event, Finished, Rejected, RequestHandle, Tokens
+from .params import InvalidRequest, SamplingParams
+from .plan import Plan, fit_plan
+from .scheduler import Scheduled, Scheduler
+from .sequence import Sequence, Status
+from .stops import StopChecker
+
+log = logging.getLogger("poot.engine")
+
+IDLE_WAIT_S = 0.05
+
+
+class EngineDead(RuntimeError):
+    """The engine stopped serving: a device fault, a crash of its thread, or a shutdown."""
+
+
+@dataclass(slots=True, frozen=True)
+class Health:
+    status: str  # ok | dead
+    cause: str | None = None  # fault | panicked | stopped
+    reason: str | None = None
+
+
+@dataclass(slots=True)
+class _Job:
+    handle: RequestHandle
+    prompt: str | list[int]
+    params: SamplingParams
+
+
+class Engine:
+    def __init__(self, model, driver: Driver, plan: Plan, draft_policy=None, prefix_cache=None,
+                 mutations: frozenset[str] = frozenset()):
+        self.model = model
+        self.driver = driver
+        self.plan = plan
+        self.draft_policy = draft_policy
+        self.mutations = mutations
+        self.pool = BlockPool(plan.num_blocks)
+        self.prefix_cache = prefix_cache
+        self.scheduler = Scheduler(plan, self.pool, prefix_cache, youngest_first="youngest_first" in mutations)
+        self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+        self._ids = itertools.count(1)
+        self._in_flight: dict[int, Sequence | _Job] = {}
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._panic_armed = False
+        self._health = Health("ok")
+        self.counters: Counter[str] = Counter()
+        self.finished_by_reason: Counter[str] = Counter(dict.fromkeys(("stop", "length", "cancelled", "error"), 0))
+
+    @classmethod
+    def create(cls, model, backend: str = "auto", draft: str | None = None,
+               mutations: frozenset[str] = frozenset(), driver: Driver | None = None) -> Engine:
+        from .drivers import make_driver
+
+        driver = driver or make_driver(backend, mutations)
+        weight_bytes = sum(w.nbytes for w in model.weights.values())
+        plan = fit_plan(driver.device(), model.config, weight_bytes, model.name)
+        driver.prepare(plan, model)
+        draft_policy = None
+        if draft and draft != "none":
+            from .speculative import make_draft_policy
+
+            draft_policy = make_draft_policy(draft)
+        prefix_cache = None
+        if not getattr(model.config, "recurrent", False):
+            try:
+                from .prefix_cache import PrefixCache
+            except ImportError:
+                PrefixCache = None
+            if PrefixCache is not None:
+                prefix_cache = PrefixCache(BlockPool(plan.num_blocks), plan, model.name, mutations)
+        engine = cls(model, driver, plan, draft_policy, prefix_cache, mutations)
+        if prefix_cache is not None:
+            engine.pool = prefix_cache.pool
+            engine.scheduler.pool = prefix_cache.pool
+        return engine
+
+    # ---- the owner's side (any thread) -------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="poot-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, prompt: str | list[int], params: SamplingParams,
+               sink: Callable[[Event], None]) -> RequestHandle:
+        if self._health.status != "ok":
+            raise EngineDead(self._health.reason or "the engine is not serving")
+        params.validate()
+        handle = RequestHandle(next(self._ids), sink)
+        job = _Job(handle, prompt, params)
+        with self._lock:
+            self._in_flight[handle.request_id] = job
+        self._jobs.put(job)
+        return handle
+
+    def health(self) -> Health:
+        return self._health
+
+    def in_flight(self) -> int:
+        return len(self._in_flight)
+
+    def inject_fault(self, kind: str) -> None:
+        if kind == "panic":
+            self._panic_armed = True
+        else:
+            self.driver.arm_failure(kind)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stopping.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def metrics(self) -> dict:
+        s = self.scheduler
+        cache = self.prefix_cache
+        m = {
+            "engine_compiles": self.driver.compiles,
+            "engine_steps": self.counters["steps"],
+            "engine_requests_waiting": len(s.waiting) + self._jobs.qsize(),
+            "engine_requests_running": len(s.running),
+            "engine_rows": self.plan.rows,
+            "kv_blocks_total": self.plan.num_blocks,
+            "kv_blocks_reserved": s.num_reserved_blocks,
+            "kv_blocks_in_use": sum(min(len(q.block_table), self.plan.blocks_for(q.num_computed))
+                                    for q in s.running),
+            "kv_blocks_cached": cache.num_cached_free() if cache else 0,
+            "requests_finished": dict(self.finished_by_reason),
+            "prompt_tokens": self.counters["prompt_tokens"],
+            "generation_tokens": self.counters["generation_tokens"],
+            "prefix_registered_tokens": self.counters["prefix_registered_tokens"],
+            "prefix_skipped_releases": self.counters["prefix_skipped_releases"],
+            "prefix_cache_hit_rate": (self.counters["prefix_hit_tokens"] / self.counters["prefix_queried_tokens"]
+                                      if self.counters["prefix_queried_tokens"] else 0.0),
+            "prefix_cache_queried_tokens": self.counters["prefix_queried_tokens"],
+            "prefix_cache_hit_tokens": self.counters["prefix_hit_tokens"],
+            "spec_drafted_tokens": self.counters["spec_drafted"],
+            "spec_accepted_tokens": self.counters["spec_accepted"],
+        }
+        return m
+
+    # ---- the loop (engine thread) ------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                if not self.scheduler.running and not self.scheduler.waiting:
+                    self._wait_for_job()
+                self.iteration()
+        except DeviceFault as e:
+            self._die("fault", str(e))
+        except Exception as e:  # a crash of the loop itself: nothing it holds can be trusted
+            log.exception("engine thread panicked")
+            self._die("panicked", f"{type(e).__name__}: {e}")
+        else:
+            self._die("stopped", "the engine was stopped")
+
+    def iteration(self) -> None:
+        if self._panic_armed:
+            self._panic_armed = False
+            raise RuntimeError("injected: engine thread panic")
+        self._take_jobs()
+        self._release_cancelled()
+        self._open_waiting()
+        scheduled, logits = self._step()
+        self._commit(scheduled, logits)
+
+    def _wait_for_job(self) -> None:
+        try:
+            job = self._jobs.get(timeout=IDLE_WAIT_S)
+        except queue.Empty:
+            return
+        self._jobs.put(job)  # phase 1 takes it, in order with any others
+
+    # phase 1
+    def _take_jobs(self) -> None:
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                prompt = self._tokenize(job.prompt)
+                self._check_fits(prompt, job.params)
+            except InvalidRequest as e:
+                self._forget(job.handle.request_id)
+                self._emit(job.handle, Rejected(str(e), e.param))
+                continue
+            decode = self.model.tokenizer.decode
+            rng = np.random.default_rng(job.params.seed)
+            seq = Sequence(job.handle, prompt, job.params, StopChecker(decode, job.params.stop), rng)
+            with self._lock:
+                self._in_flight[job.handle.request_id] = seq
+            self.counters["prompt_tokens"] += len(prompt)
+            self.scheduler.add(seq)
+            self._emit(job.handle, Accepted(len(prompt)))
+
+    def _tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.model.encode_prompt(prompt)
+        vocab = self.model.tokenizer.vocab_size
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt):
+            raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab})", "prompt")
+        return list(prompt)
+
+    def _check_fits(self, prompt: list[int], params: SamplingParams) -> None:
+        if not prompt:
+            raise InvalidRequest("the prompt is empty", "prompt")
+        need = len(prompt) + params.max_tokens
+        if need > self.plan.positions:
+            raise InvalidRequest(
+                f"the prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) needs {need} "
+                f"positions; this server holds at most {self.plan.positions} per sequence", "max_tokens")
+
+    # phase 2
+    def _release_cancelled(self) -> None:
+        s = self.scheduler
+        gone = [q for q in (*s.waiting, *s.running) if q.handle.cancelled.is_set()]
+        for seq in gone:
+            self._finish(seq, "cancelled")
+
+    # phase 3
+    def _open_waiting(self) -> None:
+        for seq in self.scheduler.open_waiting():
+            seq.num_cached = seq.num_computed  # a prefix-cache hit starts past its cached blocks
+            self.counters["prefix_queried_tokens"] += len(seq.prompt)
+            self.counters["prefix_hit_tokens"] += seq.num_cached
+
+    # phase 4
+    def _step(self) -> tuple[list[Scheduled], np.ndarray | None]:
+        scheduled = self.scheduler.schedule(self.draft_policy)
+        if not scheduled:
+            return [], None
+        try:
+            out = self.driver.step([s.work for s in scheduled])
+        except StepRefused as e:
+            # Nothing ran: only this step's requests fail, their rows and blocks go back.
+            for s in scheduled:
+                self._finish(s.seq, "error", f"the driver refused the step: {e}")
+            return [], None
+        self.counters["steps"] += 1
+        return scheduled, out.logits
+
+    # phase 5
+    def _commit(self, scheduled: list[Scheduled], logits: np.ndarray | None) -> None:
+        offset = 0
+        for s in scheduled:
+            seq, n = s.seq, s.work.num_logits
+            rows = logits[offset : offset + n]
+            offset += n
+            seq.num_computed += len(s.work.tokens) if seq.prefilling else 0
+            if n == 0:
+                continue  # a prefill chunk that did not reach the prompt's end
+            self._commit_row(seq, rows, s.drafts)
+
+    def _commit_row(self, seq: Sequence, rows: np.ndarray, drafts: list[int]) -> None:
+        """Keeps tokens up to EOS, a stop string or max_tokens; with drafts, the accepted
+        ones and one more from the target."""
+        was_decoding = bool(seq.output)
+        kept, text, reason = [], [], None
+        for i in range(len(rows)):
+            token = sampler.sample(rows[i], seq.params, seq.rng)
+            kept.append(token)
+            seq.output.append(token)
+            released, stopped = seq.stops.add(token)
+            text.append(released)
+            if stopped:
+                reason = "stop"
+            elif token in self.model.tokenizer.eos_token_ids and not seq.params.ignore_eos:
+                reason = "stop"
+            elif len(seq.output) >= seq.params.max_tokens:
+                reason = "length"
+            if reason or i >= len(drafts) or token != drafts[i]:
+                break
+        if was_decoding:  # KV now holds the fed token and every accepted draft
+            seq.num_computed += len(kept)
+        self.counters["spec_drafted"] += len(drafts)
+        self.counters["spec_accepted"] += len(kept) - 1 if drafts else 0
+        self.counters["generation_tokens"] += len(kept)
+        self._emit(seq.handle, Tokens(tuple(kept), "".join(text)))
+        if reason:
+            self._finish(seq, reason)
+
+    # ---- endings ------------------------------------------------------------------------
+
+    def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        # A request that ended normally releases what it held back; a stop string was cut already.
+        tail = seq.stops.flush() if reason in ("stop", "length") else ""
+        self.scheduler.release(seq)
+        self._forget(seq.request_id)
+        self.finished_by_reason[reason] += 1
+        self._emit(seq.handle, Finished(reason, len(seq.prompt), len(seq.output), seq.num_cached, error, tail))
+
+    def _forget(self, request_id: int) -> None:
+        with self._lock:
+            self._in_flight.pop(request_id, None)
+
+    def _die(self, cause: str, reason: str) -> None:
+        """Fails every request in flight and stops serving. Blocks are not released: after a
+        fault the device state they describe cannot be trusted."""
+        self._health = Health("dead", cause, reason)
+        with self._lock:
+            pending = list(self._in_flight.values())
+            self._in_flight.clear()
+        for item in pending:
+            prompt_tokens = len(item.prompt) if isinstance(item, Sequence) else 0
+            completion = len(item.output) if isinstance(item, Sequence) else 0
+            self.finished_by_reason["error"] += 1
+            self._emit(item.handle, Finished("error", prompt_tokens, completion, 0, f"engine {cause}: {reason}"))
+
+    def _emit(self, handle: RequestHandle, event: Event) -> None:
+        try:
+            handle.sink(event)
+        except Exception:  # a broken sink must not take the engine down; its request ends
+            log.exception("request %s: sink failed; cancelling", handle.request_id)
+            handle.cancel()

@@ -1,0 +1,60 @@
+"""What the engine tells a request's owner, from the engine thread.
+
+A handle receives, in order: exactly one of Accepted or Rejected; then, if accepted, any
+number of Tokens; then exactly one Finished. `sink` is called on the engine thread, so it
+must be quick and thread-safe (the server hands events to its event loop).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "cancelled", "error"]
+
+
+@dataclass(slots=True, frozen=True)
+class Accepted:
+    prompt_tokens: int
+
+
+@dataclass(slots=True, frozen=True)
+class Rejected:
+    message: str
+    param: str | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class Tokens:
+    """Tokens committed in one step, and the text they released (may be empty: held back)."""
+
+    token_ids: tuple[int, ...]
+    text: str
+    logprobs: tuple[float, ...] = ()
+
+
+@dataclass(slots=True, frozen=True)
+class Finished:
+    reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    error: str | None = None  # why, when reason == "error"
+    text: str = ""  # held-back text released at the end (never part of a stop string)
+
+
+Event = Accepted | Rejected | Tokens | Finished
+
+
+@dataclass(slots=True, eq=False)
+class RequestHandle:
+    """The owner's side of one request. `cancel()` is safe from any thread."""
+
+    request_id: int
+    sink: Callable[[Event], None]
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        self.cancelled.set()

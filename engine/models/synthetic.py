@@ -1,0 +1,64 @@
+"""Tiny Llama models generated from a seed, for tests that need a real forward but no file."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .base import LlamaConfig, LoadedModel
+from .byte_tokenizer import ByteTokenizer
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+            head_dim=16, max_positions=512, rope_theta=10000.0)
+
+
+def synthetic_config(**overrides) -> LlamaConfig:
+    sizes = {**TINY, **overrides}
+    return LlamaConfig(vocab_size=ByteTokenizer.vocab_size, tie_embeddings=False, **sizes)
+
+
+def synthetic_weights(config: LlamaConfig, seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    d, i = config.hidden_size, config.intermediate_size
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+
+    def mat(rows: int, cols: int) -> np.ndarray:
+        return (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
+
+    def norm() -> np.ndarray:
+        return (1.0 + 0.1 * rng.standard_normal(d)).astype(np.float32)
+
+    w = {"embed": rng.standard_normal((config.vocab_size, d)).astype(np.float32)}
+    for layer in range(config.num_layers):
+        p = f"layers.{layer}."
+        w |= {p + "attn_norm": norm(), p + "wq": mat(q, d), p + "wk": mat(kv, d), p + "wv": mat(kv, d),
+              p + "wo": mat(d, q), p + "mlp_norm": norm(), p + "w_gate": mat(i, d), p + "w_up": mat(i, d),
+              p + "w_down": mat(d, i)}
+    w["norm"] = norm()
+    # A sharper head than 1/sqrt(d) so greedy choices are decisive, not ties.
+    head = 3.0 * mat(config.vocab_size, d)
+    # Damp bytes outside printable ASCII so outputs read as text and stop strings can match;
+    # EOS keeps full weight so some requests end on it.
+    printable = np.zeros(config.vocab_size, dtype=bool)
+    printable[32:127] = True
+    printable[[10, config.vocab_size - 1]] = True
+    head[~printable] *= 0.2
+    w["lm_head"] = head.astype(np.float32)
+    return w
+
+
+def synthetic_llama(seed: int = 0, **overrides) -> LoadedModel:
+    config = synthetic_config(**overrides)
+    return LoadedModel(
+        name=f"synthetic-llama-{seed}",
+        config=config,
+        weights=synthetic_weights(config, seed),
+        tokenizer=ByteTokenizer(),
+        chat_template=CHAT_TEMPLATE,
+        special_tokens={"bos_token": "", "eos_token": ""},
+        source=f"synthetic:seed={seed}",
+    )

@@ -1,0 +1,66 @@
+"""The engine plan: rows, positions, KV blocks and the per-step token budget, fitted to the
+device the driver reports and to the model's sizes.
+
+Nothing outside this function chooses these numbers: there is no option or environment
+variable for them, so one device and one model always give one plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(slots=True, frozen=True)
+class DeviceInfo:
+    backend: str  # numpy, ptx, rocm, wgpu, vulkan
+    name: str
+    memory_bytes: int  # memory the driver may use for weights, KV and activations
+    parallel_rows: int  # rows the device can step at little more than the cost of one
+
+
+@dataclass(slots=True, frozen=True)
+class Plan:
+    backend: str
+    rows: int
+    positions: int  # most tokens (prompt + max_tokens) one sequence may hold
+    block_size: int
+    num_blocks: int
+    token_budget: int  # tokens one step may compute, decode tokens and prefill chunks together
+    model: str = ""
+    state_slots: int = 0  # recurrent families: one state slot per row instead of KV blocks
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+BLOCK_SIZE = 16
+MAX_POSITIONS = 2048
+KV_SHARE = 0.2  # share of device memory the KV pool may take, after the weights
+MIN_TOKEN_BUDGET = 256
+
+
+def fit_plan(device: DeviceInfo, config, weight_bytes: int, model_name: str = "") -> Plan:
+    """Fits the plan; raises ValueError when the model cannot be served on the device at all."""
+    positions = min(int(config.max_positions), MAX_POSITIONS)
+    rows = max(1, device.parallel_rows)
+    # Every row can always decode in the same step as one prefill chunk of at least MIN_TOKEN_BUDGET.
+    token_budget = rows + MIN_TOKEN_BUDGET
+    if getattr(config, "recurrent", False):
+        return Plan(device.backend, rows, positions, BLOCK_SIZE, 0, token_budget, model_name, state_slots=rows)
+    free = device.memory_bytes - weight_bytes
+    if free <= 0:
+        raise ValueError(f"the model's weights ({weight_bytes} bytes) do not fit the device ({device.memory_bytes} bytes)")
+    block_bytes = BLOCK_SIZE * config.kv_bytes_per_token()
+    affordable = int(free * KV_SHARE) // block_bytes
+    # No more blocks than every row at full length could use.
+    needed = rows * -(-positions // BLOCK_SIZE)
+    num_blocks = min(affordable, needed)
+    if num_blocks * BLOCK_SIZE < positions:
+        # Shrink positions rather than refuse: one sequence must always fit on its own.
+        positions = num_blocks * BLOCK_SIZE
+    if positions < BLOCK_SIZE:
+        raise ValueError("the device has no room for a KV cache")
+    return Plan(device.backend, rows, positions, BLOCK_SIZE, num_blocks, token_budget, model_name)

@@ -1,0 +1,113 @@
+"""Which requests hold a row, and what each row computes in the next step.
+
+Admission is oldest first and reserves the blocks for a request's prompt plus its whole
+max_tokens, so a running request is never starved and nothing is ever preempted. The oldest
+waiting request that does not fit blocks everything younger: letting a small young request
+jump ahead would let a stream of small requests starve a large old one forever.
+
+A step hands out a token budget: every decoding row first (one token, plus its drafts), then
+prefill chunks, oldest first, from what is left. A burst of long prompts therefore never
+delays a decoding row's next token by more than one budget-sized step.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .blocks import BlockPool
+from .drivers.base import RowWork
+from .plan import Plan
+from .sequence import Sequence, Status
+
+
+@dataclass(slots=True)
+class Scheduled:
+    seq: Sequence
+    work: RowWork
+    drafts: list[int] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, plan: Plan, pool: BlockPool, prefix_cache=None, youngest_first: bool = False):
+        self.plan = plan
+        self.pool = pool
+        self.prefix_cache = prefix_cache
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.free_rows: list[int] = list(range(plan.rows - 1, -1, -1))
+        self.youngest_first = youngest_first  # deliberate defect, for the conformance mutation test
+
+    @property
+    def num_reserved_blocks(self) -> int:
+        return sum(len(s.block_table) for s in self.running)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def open_waiting(self) -> list[Sequence]:
+        opened = []
+        while self.waiting and self.free_rows:
+            seq = self.waiting[-1] if self.youngest_first else self.waiting[0]
+            if not self._reserve(seq):
+                break  # the oldest waits for room; nothing younger goes ahead of it
+            self.waiting.remove(seq)
+            seq.row = self.free_rows.pop()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            opened.append(seq)
+        return opened
+
+    def _reserve(self, seq: Sequence) -> bool:
+        if self.plan.num_blocks == 0:  # recurrent family: a row's state slot is all it needs
+            return True
+        need = self.plan.blocks_for(seq.num_reserved_tokens)
+        if self.prefix_cache is not None:
+            table = self.prefix_cache.open(seq, need)
+            if table is None:
+                return False
+            seq.block_table = table
+            return True
+        if not self.pool.can_allocate(need):
+            return False
+        seq.block_table = self.pool.allocate(need)
+        return True
+
+    def schedule(self, draft_policy=None) -> list[Scheduled]:
+        budget = self.plan.token_budget
+        steps: list[Scheduled] = []
+        decoding = [s for s in self.running if not s.prefilling]
+        room = max(0, budget - len(decoding))  # every decoding row gets its token first
+        for seq in decoding:
+            drafts = draft_policy.propose(seq, room, len(decoding)) if draft_policy else []
+            room -= len(drafts)
+            feed = [seq.tokens[-1], *drafts]
+            steps.append(Scheduled(seq, RowWork(seq.row, np.array(feed, np.int32), seq.num_computed,
+                                                seq.block_table, len(feed)), drafts))
+        budget -= sum(len(s.work.tokens) for s in steps)
+        for seq in sorted((s for s in self.running if s.prefilling), key=lambda s: s.arrival):
+            if budget <= 0:
+                break
+            chunk = seq.prompt[seq.num_computed : seq.num_computed + budget]
+            last = seq.num_computed + len(chunk) == len(seq.prompt)
+            steps.append(Scheduled(seq, RowWork(seq.row, np.array(chunk, np.int32), seq.num_computed,
+                                                seq.block_table, 1 if last else 0)))
+            budget -= len(chunk)
+        return steps
+
+    def release(self, seq: Sequence) -> None:
+        """Returns the row and the blocks; a sequence in no list is left alone."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+            self.free_rows.append(seq.row)
+            if self.prefix_cache is not None:
+                self.prefix_cache.release(seq)
+            elif seq.block_table:
+                self.pool.free(seq.block_table)
+            seq.block_table = []
+            seq.row = -1
+        elif seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+        seq.status = Status.FINISHED

@@ -1,0 +1,55 @@
+"""One request's state as it moves through the loop."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .events import RequestHandle
+from .params import SamplingParams
+from .stops import StopChecker
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_arrivals = itertools.count()
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    handle: RequestHandle
+    prompt: list[int]
+    params: SamplingParams
+    stops: StopChecker
+    rng: np.random.Generator
+    arrival: int = field(default_factory=lambda: next(_arrivals))
+    status: Status = Status.WAITING
+    row: int = -1
+    block_table: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose KV is written (prompt first, then outputs)
+    num_cached: int = 0  # prompt tokens served from the prefix cache
+    output: list[int] = field(default_factory=list)
+
+    @property
+    def request_id(self) -> int:
+        return self.handle.request_id
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def prefilling(self) -> bool:
+        return self.num_computed < len(self.prompt)
+
+    @property
+    def num_reserved_tokens(self) -> int:
+        # KV for the prompt and every output but the last, plus one spare position.
+        return len(self.prompt) + self.params.max_tokens
