@@ -59,11 +59,12 @@ class Engine:
         self.model = model
         self.driver = driver
         self.plan = plan
-        self.draft_policy = draft_policy
+        if draft_policy is not None:
+            driver.draft_policy = draft_policy  # the driver owns its draft policy; the loop only asks it
         self.mutations = mutations
         self.pool = BlockPool(plan.num_blocks)
         self.prefix_cache = prefix_cache
-        self.scheduler = Scheduler(plan, self.pool, prefix_cache, youngest_first="youngest_first" in mutations)
+        self.scheduler = Scheduler(plan, self.pool, prefix_cache, mutations)
         self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
         self._ids = itertools.count(1)
         self._in_flight: dict[int, Sequence | _Job] = {}
@@ -90,18 +91,21 @@ class Engine:
 
             draft_policy = make_draft_policy(draft)
         prefix_cache = None
-        if not getattr(model.config, "recurrent", False):
-            try:
-                from .prefix_cache import PrefixCache
-            except ImportError:
-                PrefixCache = None
-            if PrefixCache is not None:
-                prefix_cache = PrefixCache(BlockPool(plan.num_blocks), plan, model.name, mutations)
+        try:
+            from .prefix_cache import PrefixCache
+        except ImportError:
+            PrefixCache = None
+        if PrefixCache is not None:  # a recurrent family gets one too: it registers nothing, and says so
+            prefix_cache = PrefixCache(BlockPool(plan.num_blocks), plan, model.name, mutations)
         engine = cls(model, driver, plan, draft_policy, prefix_cache, mutations)
         if prefix_cache is not None:
             engine.pool = prefix_cache.pool
             engine.scheduler.pool = prefix_cache.pool
         return engine
+
+    @property
+    def draft_policy(self):
+        return self.driver.draft_policy
 
     # ---- the owner's side (any thread) -------------------------------------------------
 
@@ -163,6 +167,7 @@ class Engine:
             "prefix_cache_hit_tokens": self.counters["prefix_hit_tokens"],
             "spec_drafted_tokens": self.counters["spec_drafted"],
             "spec_accepted_tokens": self.counters["spec_accepted"],
+            "spec_rounds": self.counters["spec_rounds"],
         }
         return m
 
@@ -224,6 +229,8 @@ class Engine:
 
     def _tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequest("the prompt is empty", "prompt")
             return self.model.encode_prompt(prompt)
         vocab = self.model.tokenizer.vocab_size
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt):
@@ -242,7 +249,8 @@ class Engine:
     # phase 2
     def _release_cancelled(self) -> None:
         s = self.scheduler
-        gone = [q for q in (*s.waiting, *s.running) if q.handle.cancelled.is_set()]
+        candidates = s.running if "keep_cancelled_waiting" in self.mutations else (*s.waiting, *s.running)
+        gone = [q for q in candidates if q.handle.cancelled.is_set()]
         for seq in gone:
             self._finish(seq, "cancelled")
 
@@ -255,12 +263,14 @@ class Engine:
 
     # phase 4
     def _step(self) -> tuple[list[Scheduled], np.ndarray | None]:
-        scheduled = self.scheduler.schedule(self.draft_policy)
+        scheduled = self.scheduler.schedule(self.driver.draft_policy)
         if not scheduled:
             return [], None
         try:
             out = self.driver.step([s.work for s in scheduled])
         except StepRefused as e:
+            if "refuse_kills_engine" in self.mutations:
+                raise DeviceFault(str(e)) from e
             # Nothing ran: only this step's requests fail, their rows and blocks go back.
             for s in scheduled:
                 self._finish(s.seq, "error", f"the driver refused the step: {e}")
@@ -293,27 +303,38 @@ class Engine:
             text.append(released)
             if stopped:
                 reason = "stop"
-            elif token in self.model.tokenizer.eos_token_ids and not seq.params.ignore_eos:
+            elif self._ends_on_eos(seq, token):
                 reason = "stop"
-            elif len(seq.output) >= seq.params.max_tokens:
+            elif len(seq.output) >= seq.params.max_tokens + ("off_by_one_max_tokens" in self.mutations):
                 reason = "length"
             if reason or i >= len(drafts) or token != drafts[i]:
                 break
         if was_decoding:  # KV now holds the fed token and every accepted draft
             seq.num_computed += len(kept)
+        # A draft is accepted when the target's token at its position equals it; the loop
+        # above stops at the first one that does not, or at a stop rule.
         self.counters["spec_drafted"] += len(drafts)
-        self.counters["spec_accepted"] += len(kept) - 1 if drafts else 0
+        self.counters["spec_accepted"] += sum(1 for d, t in zip(drafts, kept, strict=False) if d == t)
+        self.counters["spec_rounds"] += 1 if drafts else 0
         self.counters["generation_tokens"] += len(kept)
         self._emit(seq.handle, Tokens(tuple(kept), "".join(text)))
         if reason:
             self._finish(seq, reason)
+
+    def _ends_on_eos(self, seq: Sequence, token: int) -> bool:
+        return (token in self.model.tokenizer.eos_token_ids and not seq.params.ignore_eos
+                and "continue_after_eos" not in self.mutations)
 
     # ---- endings ------------------------------------------------------------------------
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
         # A request that ended normally releases what it held back; a stop string was cut already.
         tail = seq.stops.flush() if reason in ("stop", "length") else ""
-        self.scheduler.release(seq)
+        registered = self.scheduler.release(seq)
+        if registered is None:  # a recurrent family: its blocks would hold none of its state
+            self.counters["prefix_skipped_releases"] += 1
+        else:
+            self.counters["prefix_registered_tokens"] += registered
         self._forget(seq.request_id)
         self.finished_by_reason[reason] += 1
         self._emit(seq.handle, Finished(reason, len(seq.prompt), len(seq.output), seq.num_cached, error, tail))

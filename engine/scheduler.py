@@ -31,14 +31,14 @@ class Scheduled:
 
 
 class Scheduler:
-    def __init__(self, plan: Plan, pool: BlockPool, prefix_cache=None, youngest_first: bool = False):
+    def __init__(self, plan: Plan, pool: BlockPool, prefix_cache=None, mutations: frozenset[str] = frozenset()):
         self.plan = plan
         self.pool = pool
         self.prefix_cache = prefix_cache
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.free_rows: list[int] = list(range(plan.rows - 1, -1, -1))
-        self.youngest_first = youngest_first  # deliberate defect, for the conformance mutation test
+        self.mutations = mutations  # deliberate defects, see mutations.py
 
     @property
     def num_reserved_blocks(self) -> int:
@@ -50,7 +50,7 @@ class Scheduler:
     def open_waiting(self) -> list[Sequence]:
         opened = []
         while self.waiting and self.free_rows:
-            seq = self.waiting[-1] if self.youngest_first else self.waiting[0]
+            seq = self.waiting[-1] if "youngest_first" in self.mutations else self.waiting[0]
             if not self._reserve(seq):
                 break  # the oldest waits for room; nothing younger goes ahead of it
             self.waiting.remove(seq)
@@ -64,6 +64,8 @@ class Scheduler:
         if self.plan.num_blocks == 0:  # recurrent family: a row's state slot is all it needs
             return True
         need = self.plan.blocks_for(seq.num_reserved_tokens)
+        if "reserve_prompt_only" in self.mutations:
+            need = self.plan.blocks_for(len(seq.prompt) + 1)
         if self.prefix_cache is not None:
             table = self.prefix_cache.open(seq, need)
             if table is None:
@@ -80,8 +82,13 @@ class Scheduler:
         steps: list[Scheduled] = []
         decoding = [s for s in self.running if not s.prefilling]
         room = max(0, budget - len(decoding))  # every decoding row gets its token first
+        if "reserve_prompt_only" in self.mutations:
+            decoding = [q for q in decoding if self._grow_table(q)]
         for seq in decoding:
             drafts = draft_policy.propose(seq, room, len(decoding)) if draft_policy else []
+            # Within the budget, and a round commits at most max_tokens - len(output) tokens
+            # (drafts + 1), which also keeps it inside the positions reserved at open.
+            drafts = list(drafts[: max(0, min(room, seq.params.max_tokens - len(seq.output) - 1))])
             room -= len(drafts)
             feed = [seq.tokens[-1], *drafts]
             steps.append(Scheduled(seq, RowWork(seq.row, np.array(feed, np.int32), seq.num_computed,
@@ -90,20 +97,35 @@ class Scheduler:
         for seq in sorted((s for s in self.running if s.prefilling), key=lambda s: s.arrival):
             if budget <= 0:
                 break
-            chunk = seq.prompt[seq.num_computed : seq.num_computed + budget]
+            take = len(seq.prompt) if "no_prefill_budget" in self.mutations else budget
+            chunk = seq.prompt[seq.num_computed : seq.num_computed + take]
             last = seq.num_computed + len(chunk) == len(seq.prompt)
             steps.append(Scheduled(seq, RowWork(seq.row, np.array(chunk, np.int32), seq.num_computed,
                                                 seq.block_table, 1 if last else 0)))
             budget -= len(chunk)
+        if "prefill_only_steps" in self.mutations and len(steps) > len(decoding):
+            steps = steps[len(decoding):]
         return steps
 
-    def release(self, seq: Sequence) -> None:
-        """Returns the row and the blocks; a sequence in no list is left alone."""
+    def _grow_table(self, seq: Sequence) -> bool:
+        """Only under the reserve_prompt_only defect: blocks on demand, which can run dry."""
+        if seq.num_computed < len(seq.block_table) * self.plan.block_size:
+            return True
+        if not self.pool.can_allocate(1):
+            return False
+        seq.block_table.extend(self.pool.allocate(1))
+        return True
+
+    def release(self, seq: Sequence) -> int | None:
+        """Returns the row and the blocks; a sequence in no list is left alone. Returns the
+        prompt tokens the release registered for prefix reuse, None for a family that
+        registers nothing (recurrent state)."""
+        registered = 0
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
             self.free_rows.append(seq.row)
             if self.prefix_cache is not None:
-                self.prefix_cache.release(seq)
+                registered = self.prefix_cache.release(seq)
             elif seq.block_table:
                 self.pool.free(seq.block_table)
             seq.block_table = []
@@ -111,3 +133,4 @@ class Scheduler:
         elif seq.status is Status.WAITING:
             self.waiting.remove(seq)
         seq.status = Status.FINISHED
+        return registered

@@ -37,7 +37,6 @@ import gevent
 from locust import HttpUser, events, task
 from locust.exception import StopUser
 from locust.runners import MasterRunner, WorkerRunner
-
 from poot.loadtests.sse import StreamRecorder
 from poot.loadtests.stats import request_metrics
 from poot.loadtests.workloads import LoadConfig, build, request_body
@@ -48,6 +47,12 @@ def _options(parser):
     parser.add_argument("--poot-config", type=str, default="{}", help="poot LoadConfig as JSON")
     parser.add_argument("--poot-out", type=str, default="", help="folder for per-request JSONL")
     parser.add_argument("--poot-workers", type=int, default=1, help="number of locust workers")
+
+
+# Locust rewrites its CSVs once a second and workers report to the master every 3 s; waiting a
+# little before quitting lets the final CSVs include the last requests.
+QUIT_DELAY_S = 1.3
+QUIT_DELAY_MASTER_S = 4.0
 
 
 class _Plan:
@@ -102,7 +107,7 @@ def _on_init(environment, **_):
             done.add(msg.node_id)
             expected = environment.parsed_options.poot_workers
             if len(done) >= expected:
-                gevent.spawn_later(0.5, environment.runner.quit)
+                gevent.spawn_later(QUIT_DELAY_MASTER_S, environment.runner.quit)
 
         environment.runner.register_message("poot_done", on_done)
 
@@ -116,7 +121,7 @@ def _all_done(environment) -> None:
     if isinstance(runner, WorkerRunner):
         runner.send_message("poot_done", {"requests": len(plan.specs)})
     else:
-        gevent.spawn_later(0.2, runner.quit)
+        gevent.spawn_later(QUIT_DELAY_S, runner.quit)
 
 
 class LlmUser(HttpUser):
@@ -133,20 +138,21 @@ class LlmUser(HttpUser):
             if plan.in_flight == 0:
                 _all_done(self.environment)
             raise StopUser()
-        scheduled = None
-        if spec.arrival is not None:
-            scheduled = plan.t0_wall + spec.arrival
-            delay = plan.t0_perf + spec.arrival - time.perf_counter()
-            if delay > 0:
-                gevent.sleep(delay)
+        # Counted from the moment it is taken: a user sleeping until its arrival time holds it.
         plan.in_flight += 1
         try:
+            scheduled = None
+            if spec.arrival is not None:
+                scheduled = plan.t0_wall + spec.arrival
+                delay = plan.t0_perf + spec.arrival - time.perf_counter()
+                if delay > 0:
+                    gevent.sleep(delay)
             rec = self.stream(plan.cfg, spec)
+            rec["t_scheduled"] = scheduled
+            plan.write(rec)
+            self.fire(rec)
         finally:
             plan.in_flight -= 1
-        rec["t_scheduled"] = scheduled
-        plan.write(rec)
-        self.fire(rec)
         if plan.next >= len(plan.specs) and plan.in_flight == 0:
             _all_done(self.environment)
 

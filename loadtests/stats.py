@@ -126,7 +126,7 @@ def summarize(records: Sequence[dict], slo: Slo = Slo(), duration: float | None 
     all_gaps = [g for m in ok for g in m["gaps"]]
     lags = [r["t_sent"] - r["t_scheduled"] for r in records
             if r.get("t_scheduled") is not None and r.get("t_sent") is not None]
-    good = sum(1 for m in per if meets_slo(m, slo))
+    good = sum(1 for m in per if meets_slo(m, slo))  # clients that left on purpose are not counted
     error_kinds: dict[str, int] = {}
     for r in errors:
         key = str(r.get("error") or "error")[:80]
@@ -150,7 +150,7 @@ def summarize(records: Sequence[dict], slo: Slo = Slo(), duration: float | None 
         "req_tokens_per_s": describe([m["tokens_per_s"] for m in ok if m["tokens_per_s"]]),
         "schedule_lag": describe(lags),
         "slo": slo.as_dict(),
-        "goodput": (good / len(records)) if records else None,
+        "goodput": (good / (len(records) - len(disconnected))) if len(records) > len(disconnected) else None,
         "good_requests": good,
     }
 
@@ -160,7 +160,8 @@ def burst_interference(records: Sequence[dict], window: tuple[float, float] | No
     """How much a burst of long prompts stalled streams that were already decoding.
 
     For every request of kind "decode" that received tokens both before and after the start of
-    the burst, compares its largest gap with its median gap. `window` is (start, end) in the
+    the burst, compares its largest gap with its median gap (or, when tokens arrived in clumps
+    so that the median is under a quarter of the mean, with its mean gap before the burst). `window` is (start, end) in the
     client clock; by default it spans the sends of the "burst" requests to their first tokens.
     The check holds when every stream's max/median ratio is within `limit`.
     """
@@ -185,10 +186,18 @@ def burst_interference(records: Sequence[dict], window: tuple[float, float] | No
             continue
         med = percentile(g, 50)
         mx = max(g)
+        before = [b - a for a, b in zip(abs_t, abs_t[1:], strict=False) if b < start]
+        mean_before = (sum(before) / len(before)) if before else sum(g) / len(g)
+        # When the client reads several tokens per network read the median gap is ~0 and says
+        # nothing; then the mean gap before the burst is the typical gap instead.
+        typical, basis = med, "median"
+        if mean_before > 0 and med < 0.25 * mean_before:
+            typical, basis = mean_before, "mean before burst"
         in_window = [b - a for a, b in zip(abs_t, abs_t[1:], strict=False) if b >= start and a <= end]
-        rows.append({"id": r.get("id"), "median_gap": med, "max_gap": mx,
+        rows.append({"id": r.get("id"), "median_gap": med, "mean_gap_before": mean_before,
+                     "typical_gap": typical, "basis": basis, "max_gap": mx,
                      "max_gap_in_burst": max(in_window) if in_window else None,
-                     "ratio": (mx / med) if med else math.inf})
+                     "ratio": (mx / typical) if typical else math.inf})
     worst = max(rows, key=lambda x: x["ratio"]) if rows else None
     return {
         "window": [start, end],

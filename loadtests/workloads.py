@@ -73,7 +73,7 @@ class LoadConfig:
     shared_prefix: int = 0          # tokens of a system prompt every request starts with
     disconnect_share: float = 0.0   # share of requests whose client leaves early
     burst: int = 0                  # long-prompt requests arriving together at `burst_at`
-    burst_at: float = 1.0
+    burst_at: float = 0.5
     burst_prompt: int = 440
     decoders: int = 0               # long-output streams started at t=0 (burst scenario)
     decoder_output: int = 400
@@ -123,7 +123,7 @@ def text_of(n_tokens: int, rng: random.Random, chars_per_token: float = 1.0) -> 
     n_chars = max(1, int(round(n_tokens * chars_per_token)))
     out: list[str] = []
     size = 0
-    while size < n_chars:
+    while size <= n_chars:  # joined length is size - 1
         w = rng.choice(WORDS)
         out.append(w)
         size += len(w) + 1
@@ -182,7 +182,7 @@ def build(cfg: LoadConfig) -> list[RequestSpec]:
         else:
             q_len = p_len
             prompt = system + text_of(q_len, text_rng, cpt)
-            p_len = cfg.shared_prefix + q_len
+            p_len = len(system) + q_len if cpt == 1.0 else cfg.shared_prefix + q_len
             kind = "main"
         p_len, o_len = _fit(p_len, o_len, cfg)
         leave = None
@@ -227,7 +227,7 @@ SCENARIOS: dict[str, dict] = {
     "shared-prefix": dict(mode="open", rate=4.0, requests=40, shared_prefix=192,
                           prompt=Lengths("uniform", 16, 64), output=Lengths("uniform", 16, 64)),
     "long-burst": dict(mode="open", requests=0, decoders=4, decoder_output=400, burst=6,
-                       burst_at=1.0, burst_prompt=440, concurrency=16),
+                       burst_at=0.5, burst_prompt=440, concurrency=16),
     "disconnect": dict(mode="open", rate=8.0, requests=40, disconnect_share=0.7,
                        output=Lengths("uniform", 64, 256), concurrency=32),
     "quote": dict(mode="open", rate=2.0, requests=16, quote=True, prompt=Lengths("uniform", 120, 220)),

@@ -48,6 +48,9 @@ class Driver(ABC):
 
     def __init__(self) -> None:
         self.compiles = 0
+        # Speculative decoding (engine/speculative.py): the scheduler asks this policy for each
+        # decoding row's drafts; None decodes one token per row per step.
+        self.draft_policy = None
         self.plan: Plan | None = None
         self._armed_failure: str | None = None
 
@@ -82,6 +85,8 @@ class Driver(ABC):
     def _check(self, batch: list[RowWork]) -> None:
         plan = self.plan
         total = sum(len(w.tokens) for w in batch)
+        if "no_prefill_budget" in getattr(self, "mutations", ()):
+            total = 0
         if len(batch) > plan.rows or total > plan.token_budget:
             raise StepRefused(f"step of {len(batch)} rows and {total} tokens exceeds the plan")
 

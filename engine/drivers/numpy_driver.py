@@ -6,7 +6,7 @@ import os
 
 import numpy as np
 
-from ..models import llama
+from ..models import llama, mamba
 from ..plan import DeviceInfo, Plan
 from .base import Driver, RowWork, StepOutput
 
@@ -40,6 +40,10 @@ class NumpyDriver(Driver):
     def prepare(self, plan: Plan, model) -> None:
         self.plan = plan
         self.config = model.config
+        if model.config.family == "mamba":  # recurrent: one state slot per row, no KV pool
+            self.model = mamba.prepare_mamba(model.config, model.weights, plan.state_slots or plan.rows, np)
+            self._built()
+            return
         self.model = llama.prepare_llama(model.config, model.weights, plan.positions, np)
         self._built()
         slots = plan.num_blocks * plan.block_size
@@ -52,6 +56,9 @@ class NumpyDriver(Driver):
         if "recompile_on_batch_change" in self.mutations and len(batch) != self._last_rows:
             self._built()
         self._last_rows = len(batch)
+        if self.config.family == "mamba":
+            logits = mamba.forward(np, self.config, self.model, batch, "stale_recurrent_state" not in self.mutations)
+            return StepOutput(np.ascontiguousarray(logits, dtype=np.float32))
         layout = llama.step_layout(batch, self.plan.block_size, "shared_position" in self.mutations)
         tokens = np.concatenate([w.tokens for w in batch]).astype(np.int64)
         logits = llama.forward(np, self.config, self.model, self.kv, tokens, layout,

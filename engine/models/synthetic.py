@@ -62,3 +62,63 @@ def synthetic_llama(seed: int = 0, **overrides) -> LoadedModel:
         special_tokens={"bos_token": "", "eos_token": ""},
         source=f"synthetic:seed={seed}",
     )
+
+
+# ---- the Mamba family ----------------------------------------------------------------------
+
+MAMBA_TINY = dict(hidden_size=64, num_layers=2, d_inner=128, d_state=8, d_conv=4, max_positions=2048)
+
+
+def synthetic_mamba_config(**overrides):
+    from .mamba import MambaConfig
+
+    return MambaConfig(vocab_size=ByteTokenizer.vocab_size, **{**MAMBA_TINY, **overrides})
+
+
+def synthetic_mamba_weights(config, seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    d, di, ds, r = config.hidden_size, config.d_inner, config.d_state, config.dt_rank
+
+    def mat(rows: int, cols: int, scale: float = 1.0) -> np.ndarray:
+        return (scale * rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
+
+    w = {"embed": rng.standard_normal((config.vocab_size, d)).astype(np.float32)}
+    for layer in range(config.num_layers):
+        p = f"layers.{layer}."
+        dt = np.exp(rng.uniform(np.log(1e-3), np.log(1e-1), di))  # Mamba's dt initialisation
+        w |= {
+            p + "norm": (1.0 + 0.1 * rng.standard_normal(d)).astype(np.float32),
+            p + "in_proj": mat(2 * di, d),
+            p + "conv_w": mat(di, config.d_conv),
+            p + "conv_b": (0.1 * rng.standard_normal(di)).astype(np.float32),
+            p + "x_proj": mat(r + 2 * ds, di),
+            p + "dt_proj": mat(di, r, 0.5),
+            p + "dt_bias": (dt + np.log(-np.expm1(-dt))).astype(np.float32),  # softplus^-1(dt)
+            # S4D-real: A_log = log(1..d_state), stored as A = -exp(A_log) the way GGUF keeps it
+            p + "A": -np.tile(np.arange(1, ds + 1, dtype=np.float32), (di, 1)),
+            p + "D": np.ones(di, np.float32),
+            p + "out_proj": mat(d, di),
+        }
+    w["norm"] = (1.0 + 0.1 * rng.standard_normal(d)).astype(np.float32)
+    head = 3.0 * mat(config.vocab_size, d)
+    printable = np.zeros(config.vocab_size, dtype=bool)  # same damping as the Llama head
+    printable[32:127] = True
+    printable[[10, config.vocab_size - 1]] = True
+    head[~printable] *= 0.2
+    w["lm_head"] = head.astype(np.float32)
+    return w
+
+
+def synthetic_mamba(seed: int = 0, **overrides) -> LoadedModel:
+    """A tiny seeded Mamba-1 (d_model 64, 2 layers, d_state 8, d_conv 4, expand 2) with the
+    byte tokenizer: the recurrent family without a file."""
+    config = synthetic_mamba_config(**overrides)
+    return LoadedModel(
+        name=f"synthetic-mamba-{seed}",
+        config=config,
+        weights=synthetic_mamba_weights(config, seed),
+        tokenizer=ByteTokenizer(),
+        chat_template=CHAT_TEMPLATE,
+        special_tokens={"bos_token": "", "eos_token": ""},
+        source=f"synthetic-mamba:seed={seed}",
+    )

@@ -1,0 +1,108 @@
+"""poot-conformance: run the conformance suite against a server and report clause by clause.
+
+    poot-conformance                                  # start the bundled reference server
+    poot-conformance --base-url http://host:8000      # a server that is already running
+    poot-conformance --server-cmd "my-server --port {port}" api/sse loop/commit
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import textwrap
+
+import pytest
+
+from .clauses import PROFILES, SUITE_DIR, load_spec
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="poot-conformance",
+        description="Checks an OpenAI-compatible continuous-batching server against the poot spec, "
+                    "clause by clause. With neither --base-url nor --server-cmd it starts the bundled "
+                    "reference server.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Exit status: 0 when no selected clause failed (result success or partial), 1 when one "
+               "failed, 4 on a usage or traceability error.")
+    p.add_argument("clauses", nargs="*", metavar="CLAUSE", help="clause id prefixes to run, e.g. api/sse loop/commit/stop/2")
+    target = p.add_argument_group("target")
+    target.add_argument("--base-url", help="URL of a running server (clauses that restart a server are then not supported)")
+    target.add_argument("--server-cmd", help="shell command that starts the server; {port} is replaced by a free port")
+    target.add_argument("--model", help="model id to send (default: the first of GET /v1/models)")
+    target.add_argument("--recurrent-server-cmd", help="command starting the server with a recurrent-state model")
+    target.add_argument("--speculative-server-cmd", help="command starting the server with speculative decoding")
+    target.add_argument("--startup-timeout", type=float, default=60.0, help="seconds to wait for /health 200 (default 60)")
+    sel = p.add_argument_group("selection")
+    sel.add_argument("--profile", action="append", default=[],
+                     help=f"profiles to run, repeatable or comma-separated (default all): {', '.join(PROFILES)}")
+    sel.add_argument("--strict", action="store_true", help="also run SHOULD clauses")
+    sel.add_argument("--list", action="store_true", help="list the selected clauses and exit")
+    tune = p.add_argument_group("tuning")
+    tune.add_argument("--metrics-dialect", default="poot", choices=("poot", "vllm", "llamacpp"),
+                      help="metric names the server uses (default poot)")
+    tune.add_argument("--step-slack", type=int, default=16,
+                      help="engine steps allowed between a hang-up and the release of its request, for the "
+                           "time the HTTP stack takes to notice it (default 16)")
+    tune.add_argument("--examples", type=int, default=25, help="examples per property test (default 25)")
+    out = p.add_argument_group("reports")
+    out.add_argument("--json", metavar="PATH", help="write a JSON report")
+    out.add_argument("--junit", metavar="PATH", help="write a JUnit XML report")
+    out.add_argument("--markdown", metavar="PATH", help="write a Markdown matrix")
+    out.add_argument("-v", "--verbose", action="store_true", help="show pytest progress and tracebacks")
+    out.add_argument("--pytest-arg", action="append", default=[], metavar="ARG", help="pass ARG on to pytest")
+    return p
+
+
+def list_clauses(args: argparse.Namespace) -> int:
+    spec = load_spec()
+    profiles = [x for v in args.profile for x in v.split(",") if x]
+    chosen = spec.select(args.clauses, profiles, args.strict)
+    for clause in chosen:
+        needs = f" [needs {', '.join(clause.needs)}]" if clause.needs else ""
+        print(f"{clause.id}  {clause.level} ({clause.profile}){needs}  {clause.title}")
+        print(textwrap.indent(textwrap.fill(clause.requirement, 96), "    "))
+    print(f"\n{len(chosen)} clauses")
+    return 0
+
+
+def pytest_args(args: argparse.Namespace) -> list[str]:
+    out = [str(SUITE_DIR), "-c", str(SUITE_DIR / "pytest.ini"), "--rootdir", str(SUITE_DIR), "--poot-report"]
+    out += ["-v", "--tb=short", "-rfE"] if args.verbose else ["-q", "--tb=no", "-rN", "--no-header"]
+    options = {"--poot-base-url": args.base_url, "--poot-server-cmd": args.server_cmd, "--poot-model": args.model,
+               "--poot-recurrent-server-cmd": args.recurrent_server_cmd,
+               "--poot-speculative-server-cmd": args.speculative_server_cmd,
+               "--poot-json": args.json, "--poot-junit": args.junit, "--poot-markdown": args.markdown,
+               "--poot-metrics-dialect": args.metrics_dialect, "--poot-step-slack": args.step_slack,
+               "--poot-examples": args.examples, "--poot-startup-timeout": args.startup_timeout}
+    for flag, value in options.items():
+        if value is not None:
+            out += [flag, str(value)]
+    for prefix in args.clauses:
+        out += ["--poot-clause", prefix]
+    for profile in args.profile:
+        out += ["--poot-profile", profile]
+    if args.strict:
+        out.append("--poot-strict")
+    return out + args.pytest_arg
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    spec = load_spec()
+    profiles = [x for v in args.profile for x in v.split(",") if x]
+    if unknown := [x for x in profiles if x not in PROFILES]:
+        print(f"poot-conformance: unknown profile(s) {unknown}; known: {', '.join(PROFILES)}", file=sys.stderr)
+        return 4
+    if args.list:
+        return list_clauses(args)
+    if not spec.select(args.clauses, profiles, args.strict):
+        print("poot-conformance: no clause matches the selection (SHOULD clauses need --strict)", file=sys.stderr)
+        return 4
+    code = int(pytest.main(pytest_args(args)))
+    # pytest: 0 ok, 1 tests failed, 2 interrupted, 3 internal error, 4 usage, 5 nothing ran.
+    return 0 if code == 5 else code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

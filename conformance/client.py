@@ -1,0 +1,294 @@
+"""Talking to the server under test: JSON requests, SSE streams, raw sockets, metrics."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+
+from .metrics import MetricsFormatError, Snapshot, parse_prometheus
+from .outcomes import NotSupported
+
+
+class ServerError(AssertionError):
+    """The server answered something a clause does not allow; the message says what."""
+
+
+@dataclass(slots=True)
+class Stream:
+    """A streamed answer as the client saw it."""
+
+    status: int
+    content_type: str
+    lines: list[str] = field(default_factory=list)  # raw non-empty lines, in order
+    chunks: list[dict] = field(default_factory=list)  # parsed JSON events
+    times: list[float] = field(default_factory=list)  # monotonic arrival time of each chunk
+    done: bool = False  # saw data: [DONE]
+    after_done: list[str] = field(default_factory=list)
+    body: str = ""  # the body when status != 200
+    started: float = 0.0
+    ended: float = 0.0
+
+    def deltas(self) -> list[str]:
+        out = []
+        for chunk in self.chunks:
+            for choice in chunk.get("choices") or []:
+                if "text" in choice:
+                    out.append(choice.get("text") or "")
+                else:
+                    out.append((choice.get("delta") or {}).get("content") or "")
+        return out
+
+    @property
+    def text(self) -> str:
+        return "".join(self.deltas())
+
+    @property
+    def finish_reason(self) -> str | None:
+        reasons = [c.get("finish_reason") for ch in self.chunks for c in ch.get("choices") or []
+                   if c.get("finish_reason")]
+        return reasons[-1] if reasons else None
+
+    @property
+    def usage(self) -> dict | None:
+        usages = [c["usage"] for c in self.chunks if c.get("usage")]
+        return usages[-1] if usages else None
+
+    def content_times(self) -> list[float]:
+        return [t for t, d in zip(self.times, self._chunk_deltas(), strict=True) if d]
+
+    def _chunk_deltas(self) -> list[str]:
+        return ["".join((c.get("text") if "text" in c else (c.get("delta") or {}).get("content")) or ""
+                        for c in chunk.get("choices") or []) for chunk in self.chunks]
+
+
+class Client:
+    """A synchronous client for one server. Safe to share between threads (httpx pools)."""
+
+    def __init__(self, base_url: str, *, model: str | None = None, dialect: str = "poot",
+                 timeout: float = 60.0):
+        self.base_url = base_url.rstrip("/")
+        self.timeout = timeout
+        self.dialect = dialect
+        self._model = model
+        self.http = httpx.Client(base_url=self.base_url, timeout=timeout)
+        self._metrics_ok: bool | None = None
+
+    def close(self) -> None:
+        self.http.close()
+
+    # -- plain requests -------------------------------------------------------------------
+    def get(self, path: str) -> httpx.Response:
+        return self.http.get(path)
+
+    def post(self, path: str, body: Any = None, *, content: bytes | None = None) -> httpx.Response:
+        if content is not None:
+            return self.http.post(path, content=content, headers={"content-type": "application/json"})
+        return self.http.post(path, json=body)
+
+    @property
+    def model(self) -> str:
+        if self._model is None:
+            try:
+                data = self.get("/v1/models").json()["data"]
+                self._model = data[0]["id"]
+            except Exception:  # noqa: BLE001 - any shape problem: fall back, api/models/1 reports it
+                self._model = "default"
+        return self._model
+
+    def body(self, prompt: Any = None, **params: Any) -> dict:
+        body = {"model": self.model, **params}
+        if prompt is not None:
+            body["prompt"] = prompt
+        return body
+
+    def complete(self, prompt: Any, **params: Any) -> dict:
+        """A non-streamed completion; fails the clause unless the server answers 200."""
+        r = self.post("/v1/completions", self.body(prompt, **params))
+        if r.status_code != 200:
+            raise ServerError(f"POST /v1/completions answered {r.status_code}: {r.text[:300]}")
+        return r.json()
+
+    def chat(self, messages: list[dict], **params: Any) -> dict:
+        r = self.post("/v1/chat/completions", {"model": self.model, "messages": messages, **params})
+        if r.status_code != 200:
+            raise ServerError(f"POST /v1/chat/completions answered {r.status_code}: {r.text[:300]}")
+        return r.json()
+
+    def stream(self, prompt: Any = None, *, path: str = "/v1/completions", body: dict | None = None,
+               stop_after: int | None = None, **params: Any) -> Stream:
+        """A streamed request read to its end (or closed after `stop_after` chunks)."""
+        body = body if body is not None else self.body(prompt, stream=True, **params)
+        out = Stream(status=0, content_type="", started=time.monotonic())
+        with httpx.Client(base_url=self.base_url, timeout=self.timeout) as one_off, \
+                one_off.stream("POST", path, json=body) as r:
+            out.status, out.content_type = r.status_code, r.headers.get("content-type", "")
+            if r.status_code != 200:
+                out.body = r.read().decode(errors="replace")
+                out.ended = time.monotonic()
+                return out
+            for line in r.iter_lines():
+                if not line.strip():
+                    continue
+                now = time.monotonic()
+                if out.done:
+                    out.after_done.append(line)
+                    continue
+                out.lines.append(line)
+                if line.startswith("data:"):
+                    payload = line[5:].strip()
+                    if payload == "[DONE]":
+                        out.done = True
+                        continue
+                    try:
+                        out.chunks.append(json.loads(payload))
+                        out.times.append(now)
+                    except json.JSONDecodeError:
+                        pass  # api/sse/1 reports lines that are not JSON
+                if stop_after is not None and len(out.chunks) >= stop_after:
+                    break
+        out.ended = time.monotonic()
+        return out
+
+    def stream_ok(self, prompt: Any = None, **kw: Any) -> Stream:
+        s = self.stream(prompt, **kw)
+        if s.status != 200:
+            raise ServerError(f"streamed request answered {s.status}: {s.body[:300]}")
+        return s
+
+    # -- health, plan, metrics, faults -----------------------------------------------------
+    def health(self) -> tuple[int, dict]:
+        r = self.get("/health")
+        try:
+            return r.status_code, r.json()
+        except ValueError:
+            return r.status_code, {}
+
+    def plan(self) -> dict | None:
+        """The engine plan from /health, or None when the server does not publish one."""
+        try:
+            status, body = self.health()
+        except httpx.HTTPError:
+            return None
+        plan = body.get("plan") if status == 200 else None
+        return plan if isinstance(plan, dict) else None
+
+    def need_plan(self, *keys: str) -> dict:
+        plan = self.plan()
+        if plan is None or any(not isinstance(plan.get(k), int) for k in keys):
+            raise NotSupported(f"/health publishes no plan with {', '.join(keys) or 'fields'}")
+        return plan
+
+    def metrics(self) -> Snapshot:
+        """A scrape of /metrics; NotSupported when the server has none."""
+        r = self.get("/metrics")
+        if r.status_code == 404:
+            self._metrics_ok = False
+            raise NotSupported("GET /metrics answered 404")
+        if r.status_code != 200:
+            raise ServerError(f"GET /metrics answered {r.status_code}")
+        try:
+            return Snapshot(parse_prometheus(r.text), self.dialect)
+        except MetricsFormatError as e:
+            raise ServerError(f"/metrics is not Prometheus text: {e}") from e
+
+    def metric(self, name: str, **labels: str) -> float:
+        """One metric by contract name; NotSupported when missing."""
+        value = self.metrics().get(name, **labels)
+        if value is None:
+            raise NotSupported(f"/metrics has no {name}" + (f" (dialect {self.dialect})" if self.dialect != "poot" else ""))
+        return value
+
+    def need_metrics(self, *names: str) -> Snapshot:
+        snap = self.metrics()
+        missing = [n for n in names if not snap.has(n)]
+        if missing:
+            raise NotSupported(f"/metrics lacks {', '.join(missing)}")
+        return snap
+
+    def fault(self, kind: str) -> None:
+        r = self.post("/debug/fault", {"kind": kind})
+        if r.status_code == 404:
+            raise NotSupported("POST /debug/fault answered 404 (no fault injection)")
+        if r.status_code >= 300:
+            raise ServerError(f"POST /debug/fault {kind} answered {r.status_code}: {r.text[:200]}")
+
+    def wait_until(self, predicate, timeout: float = 10.0, what: str = "condition",
+                   interval: float = 0.002) -> Snapshot:
+        """Polls /metrics until predicate(snapshot) holds; fails the clause on timeout."""
+        deadline = time.monotonic() + timeout
+        snap = self.metrics()
+        while not predicate(snap):
+            if time.monotonic() > deadline:
+                raise ServerError(f"timed out after {timeout:.0f}s waiting for {what}")
+            time.sleep(interval)
+            snap = self.metrics()
+        return snap
+
+    def wait_idle(self, timeout: float = 15.0) -> Snapshot:
+        return self.wait_until(
+            lambda s: s.get("engine_requests_running", 0) == 0 and s.get("engine_requests_waiting", 0) == 0
+            and s.get("kv_blocks_reserved", 0) == 0, timeout, "the server to go idle "
+            "(engine_requests_running, engine_requests_waiting and kv_blocks_reserved at 0)")
+
+
+class RawRequest:
+    """A request over a bare socket, so a test can hang up at the moment it chooses."""
+
+    def __init__(self, base_url: str, path: str, body: dict, timeout: float = 30.0):
+        parts = urlsplit(base_url)
+        self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
+        payload = json.dumps(body).encode()
+        head = (f"POST {parts.path.rstrip('/')}{path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n"
+                "Connection: close\r\n\r\n").encode()
+        self.sock = socket.create_connection((self.host, self.port), timeout=timeout)
+        self.sock.sendall(head + payload)
+        self.received = b""
+        self.closed = False
+
+    def read_until(self, marker: bytes, count: int = 1, timeout: float = 30.0) -> bytes:
+        """Reads until `marker` has been seen `count` times (or the server closes)."""
+        deadline = time.monotonic() + timeout
+        while self.received.count(marker) < count:
+            self.sock.settimeout(max(0.01, deadline - time.monotonic()))
+            try:
+                data = self.sock.recv(65536)
+            except TimeoutError as e:
+                raise ServerError(f"no {marker!r} after {timeout:.0f}s") from e
+            if not data:
+                break
+            self.received += data
+        return self.received
+
+    def read_all(self, timeout: float = 60.0) -> bytes:
+        deadline = time.monotonic() + timeout
+        while True:
+            self.sock.settimeout(max(0.01, deadline - time.monotonic()))
+            try:
+                data = self.sock.recv(65536)
+            except TimeoutError:
+                return self.received
+            if not data:
+                return self.received
+            self.received += data
+
+    @property
+    def status(self) -> int | None:
+        head = self.received.split(b"\r\n", 1)[0].split()
+        return int(head[1]) if len(head) >= 2 and head[1].isdigit() else None
+
+    def close(self) -> None:
+        """Hangs up at once (RST rather than a graceful FIN is fine: the server must notice both)."""
+        if not self.closed:
+            self.closed = True
+            try:
+                self.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self.sock.close()

@@ -1,0 +1,142 @@
+"""Reports of a run, per clause: terminal listing (h2spec style), JSON, JUnit XML, Markdown."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from itertools import groupby
+from xml.etree import ElementTree as ET
+
+from .clauses import Clause
+from .outcomes import Outcome, summary_result
+
+MARKS = {Outcome.PASSED: "ok", Outcome.FAILED: "FAIL", Outcome.NOT_SUPPORTED: "n/s"}
+
+
+@dataclass(slots=True)
+class ClauseResult:
+    clause: Clause
+    outcome: Outcome
+    why: str = ""  # for anything not passed: what was expected and what came back
+    tests: list[str] = field(default_factory=list)
+    duration: float = 0.0
+
+
+@dataclass(slots=True)
+class RunReport:
+    results: list[ClauseResult]
+    target: str = ""
+    profiles: list[str] = field(default_factory=list)
+    strict: bool = False
+    started: float = field(default_factory=time.time)
+    duration: float = 0.0
+
+    def count(self, outcome: Outcome) -> int:
+        return sum(r.outcome is outcome for r in self.results)
+
+    @property
+    def result(self) -> str:
+        return summary_result([r.outcome for r in self.results])
+
+    def summary(self) -> dict:
+        return {"result": self.result, "clauses": len(self.results),
+                "passed": self.count(Outcome.PASSED), "failed": self.count(Outcome.FAILED),
+                "not_supported": self.count(Outcome.NOT_SUPPORTED)}
+
+    def summary_line(self) -> str:
+        s = self.summary()
+        return (f"{s['clauses']} clauses, {s['passed']} passed, {s['not_supported']} not supported, "
+                f"{s['failed']} failed: {s['result']}")
+
+
+def _one_line(text: str, limit: int = 400) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def to_terminal(report: RunReport) -> str:
+    """The spec's tree with an outcome per clause; failures listed again at the end."""
+    lines = []
+    by_area = groupby(report.results, key=lambda r: r.clause.area)
+    for area, results in by_area:
+        results = list(results)
+        lines.append(f"{area}: {results[0].clause.area_title}")
+        for group, members in groupby(results, key=lambda r: r.clause.group):
+            lines.append(f"  {group.split('/', 1)[1] if '/' in group else group}")
+            for r in members:
+                lines.append(f"    [{MARKS[r.outcome]:>4}] {r.clause.id}  {r.clause.title}")
+                if r.outcome is not Outcome.PASSED and r.why:
+                    lines.append(f"           {_one_line(r.why, 200)}")
+    failed = [r for r in report.results if r.outcome is Outcome.FAILED]
+    if failed:
+        lines += ["", "Failures:", ""]
+        for r in failed:
+            lines.append(f"  {r.clause.id}  {r.clause.title}")
+            lines.append(f"    requirement: {r.clause.requirement}")
+            lines.append(f"    observed:    {_one_line(r.why, 1200)}")
+            lines.append(f"    tests:       {', '.join(r.tests)}")
+            lines.append("")
+    lines += ["", report.summary_line()]
+    return "\n".join(lines)
+
+
+def to_json(report: RunReport) -> str:
+    return json.dumps({
+        "tool": "poot-conformance",
+        "target": report.target,
+        "profiles": report.profiles,
+        "strict": report.strict,
+        "started": report.started,
+        "duration_s": round(report.duration, 3),
+        "summary": report.summary(),
+        "clauses": [{**{k: v for k, v in asdict(r.clause).items() if k != "area_title"},
+                     "needs": list(r.clause.needs), "outcome": r.outcome.value, "why": r.why,
+                     "tests": r.tests, "duration_s": round(r.duration, 3)} for r in report.results],
+    }, indent=2)
+
+
+def to_junit(report: RunReport) -> str:
+    """One testsuite per area, one testcase per clause (as h2spec's JUnit report)."""
+    root = ET.Element("testsuites", name="poot-conformance", tests=str(len(report.results)),
+                      failures=str(report.count(Outcome.FAILED)),
+                      skipped=str(report.count(Outcome.NOT_SUPPORTED)), time=f"{report.duration:.3f}")
+    for area, results in groupby(report.results, key=lambda r: r.clause.area):
+        results = list(results)
+        suite = ET.SubElement(root, "testsuite", name=area, tests=str(len(results)),
+                              failures=str(sum(r.outcome is Outcome.FAILED for r in results)),
+                              skipped=str(sum(r.outcome is Outcome.NOT_SUPPORTED for r in results)),
+                              time=f"{sum(r.duration for r in results):.3f}")
+        for r in results:
+            case = ET.SubElement(suite, "testcase", classname=area, name=f"{r.clause.id} {r.clause.title}",
+                                 time=f"{r.duration:.3f}")
+            if r.outcome is Outcome.FAILED:
+                failure = ET.SubElement(case, "failure", message=_one_line(r.why, 300))
+                failure.text = f"{r.clause.requirement}\n\n{r.why}"
+            elif r.outcome is Outcome.NOT_SUPPORTED:
+                ET.SubElement(case, "skipped", message=f"not supported: {_one_line(r.why, 300)}")
+    ET.indent(root)
+    return ET.tostring(root, encoding="unicode", xml_declaration=True)
+
+
+def _md(text: str) -> str:
+    return _one_line(text, 300).replace("|", "\\|")
+
+
+def to_markdown(report: RunReport) -> str:
+    """A matrix for a pull request or a README: areas by outcome, then every clause."""
+    outcomes = (Outcome.PASSED, Outcome.NOT_SUPPORTED, Outcome.FAILED)
+    lines = [f"# Conformance: {report.result}", "",
+             f"Target: `{report.target}`; profiles: {', '.join(report.profiles) or 'all'}; "
+             f"strict: {'yes' if report.strict else 'no'}.", "",
+             "| area | passed | not supported | failed |", "|---|---|---|---|"]
+    for area, results in groupby(report.results, key=lambda r: r.clause.area):
+        results = list(results)
+        counts = [sum(r.outcome is o for r in results) for o in outcomes]
+        lines.append(f"| {area} | " + " | ".join(map(str, counts)) + " |")
+    lines += ["", "| clause | title | level | profile | outcome | why |", "|---|---|---|---|---|---|"]
+    for r in report.results:
+        lines.append(f"| `{r.clause.id}` | {_md(r.clause.title)} | {r.clause.level} | {r.clause.profile} "
+                     f"| {r.outcome.value.replace('_', ' ')} | {_md(r.why)} |")
+    lines += ["", report.summary_line(), ""]
+    return "\n".join(lines)

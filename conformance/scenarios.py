@@ -1,0 +1,211 @@
+"""Building blocks the suite's tests share: prompts, raw streams watched together, probes."""
+
+from __future__ import annotations
+
+import json
+import random
+import select
+import string
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from .client import Client, RawRequest, ServerError
+from .outcomes import NotSupported
+
+WORDS = ("amber", "basil", "cedar", "delta", "ember", "fjord", "grove", "harbor", "iris", "juniper",
+         "kestrel", "lumen", "meadow", "nectar", "orbit", "pebble", "quartz", "river", "sable", "tundra")
+
+
+def unique_text(chars: int, rng: random.Random | None = None) -> str:
+    """ASCII words starting with a random tag, so no two prompts share a cached prefix."""
+    rng = rng or random.Random()
+    tag = "".join(rng.choices(string.ascii_lowercase, k=8))
+    words = [tag]
+    while sum(len(w) + 1 for w in words) < chars:
+        words.append(rng.choice(WORDS))
+    return " ".join(words)[:chars]
+
+
+def parse_http(raw: bytes) -> tuple[int | None, dict[str, str], bytes]:
+    """Status, headers and body (de-chunked) of a raw HTTP/1.1 response, complete or not."""
+    head, _, body = raw.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    parts = lines[0].split() if lines else []
+    status = int(parts[1]) if len(parts) >= 2 and parts[1].isdigit() else None
+    headers = {}
+    for line in lines[1:]:
+        name, _, value = line.partition(":")
+        headers[name.strip().lower()] = value.strip()
+    if headers.get("transfer-encoding", "").lower() == "chunked":
+        out, rest = b"", body
+        while rest:
+            size_line, sep, rest = rest.partition(b"\r\n")
+            if not sep:
+                break
+            try:
+                size = int(size_line.split(b";")[0], 16)
+            except ValueError:
+                break
+            if size == 0:
+                break
+            out, rest = out + rest[:size], rest[size + 2:]
+        body = out
+    return status, headers, body
+
+
+def sse_chunks(body: bytes) -> tuple[list[dict], bool]:
+    """JSON events of an SSE body and whether it ended with [DONE]."""
+    chunks, done = [], False
+    for line in body.decode("utf-8", errors="replace").splitlines():
+        if not line.startswith("data:"):
+            continue
+        payload = line[5:].strip()
+        if payload == "[DONE]":
+            done = True
+        else:
+            try:
+                chunks.append(json.loads(payload))
+            except json.JSONDecodeError:
+                pass
+    return chunks, done
+
+
+@dataclass(slots=True)
+class RawStream:
+    """A streamed request on a bare socket; read with a Mux or on its own."""
+
+    request: RawRequest
+    first_data: float | None = None
+    finished: float | None = None
+
+    @classmethod
+    def open(cls, client: Client, prompt: Any, **params: Any) -> RawStream:
+        body = client.body(prompt, stream=True, **params)
+        return cls(RawRequest(client.base_url, "/v1/completions", body))
+
+    @property
+    def body(self) -> bytes:
+        return parse_http(self.request.received)[2]
+
+    def result(self) -> tuple[list[dict], bool]:
+        return sse_chunks(self.body)
+
+    def finish_reason(self) -> str | None:
+        chunks, _ = self.result()
+        reasons = [c.get("finish_reason") for ch in chunks for c in ch.get("choices") or [] if c.get("finish_reason")]
+        return reasons[-1] if reasons else None
+
+    def close(self) -> None:
+        self.request.close()
+
+
+class Mux:
+    """Reads several raw streams in one thread, recording when each first sends data and ends."""
+
+    def __init__(self, streams: list[RawStream]):
+        self.streams = streams
+        self.order: list[tuple[float, int, str]] = []  # (time, index, "data" | "end")
+
+    def run(self, until=None, timeout: float = 60.0) -> None:
+        """Reads until every stream ended (or `until(self)` holds)."""
+        deadline = time.monotonic() + timeout
+        open_ = {s.request.sock: i for i, s in enumerate(self.streams) if not s.request.closed and s.finished is None}
+        while open_ and not (until and until(self)):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ServerError(f"streams still open after {timeout:.0f}s")
+            ready, _, _ = select.select(list(open_), [], [], min(left, 0.5))
+            now = time.monotonic()
+            for sock in ready:
+                i = open_[sock]
+                stream = self.streams[i]
+                try:
+                    data = sock.recv(65536)
+                except OSError:
+                    data = b""
+                stream.request.received += data
+                if stream.first_data is None and b"data:" in stream.body:
+                    stream.first_data = now
+                    self.order.append((now, i, "data"))
+                if not data or b"[DONE]" in stream.body:
+                    stream.finished = now
+                    self.order.append((now, i, "end"))
+                    del open_[sock]
+
+    def first_data_order(self, indices: list[int]) -> list[int]:
+        return [i for _, i, kind in self.order if kind == "data" and i in indices]
+
+
+@dataclass
+class Probes:
+    """Facts about the target found once per session: what keeps a request running, EOS prompts."""
+
+    client: Client
+    _long_extra: dict | None = None
+    _eos: tuple[str, dict] | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def long_extra(self) -> dict:
+        """Body fields that keep generation from ending early: ignore_eos when the server takes it."""
+        with self._lock:
+            if self._long_extra is None:
+                r = self.client.post("/v1/completions", self.client.body("probe", max_tokens=1, ignore_eos=True))
+                self._long_extra = {"ignore_eos": True} if r.status_code == 200 else {}
+            return dict(self._long_extra)
+
+    def long_params(self, max_tokens: int) -> dict:
+        return {"max_tokens": max_tokens, "temperature": 0, **self.long_extra()}
+
+    def eos_case(self) -> tuple[str, dict]:
+        """A prompt and params whose answer ends by itself (EOS) before max_tokens, reproducibly."""
+        with self._lock:
+            if self._eos is None:
+                self._eos = self._find_eos()
+            return self._eos
+
+    def _find_eos(self) -> tuple[str, dict]:
+        rng = random.Random(7)
+        candidates = [({"temperature": 0}, unique_text(rng.randint(8, 40), rng)) for _ in range(48)]
+        candidates += [({"temperature": 1.0, "seed": 1000 + k}, unique_text(24, rng)) for k in range(48)]
+
+        def attempt(case):
+            params, prompt = case
+            answer = self.client.complete(prompt, max_tokens=48, **params)
+            choice = answer["choices"][0]
+            if choice["finish_reason"] == "stop" and answer["usage"]["completion_tokens"] < 48:
+                return prompt, params
+            return None
+
+        with ThreadPoolExecutor(8) as pool:
+            for found in pool.map(attempt, candidates):
+                if found is None:
+                    continue
+                prompt, params = found
+                first = self.client.complete(prompt, max_tokens=48, **params)
+                again = self.client.complete(prompt, max_tokens=48, **params)
+                if first["choices"][0]["text"] == again["choices"][0]["text"]:
+                    return prompt, params
+        raise NotSupported("no prompt among 96 tries made the model end by itself (end-of-sequence) "
+                           "reproducibly within 48 tokens")
+
+
+def rows_and_positions(client: Client) -> tuple[int, int]:
+    plan = client.need_plan("rows", "positions")
+    return plan["rows"], plan["positions"]
+
+
+def fill_rows(client: Client, probes: Probes, rows: int, max_tokens: list[int], prompt_chars: int = 24,
+              timeout: float = 20.0) -> list[RawStream]:
+    """Opens len(max_tokens) long streams and waits until `rows` of them run (all rows taken)."""
+    fillers = [RawStream.open(client, unique_text(prompt_chars), **probes.long_params(m)) for m in max_tokens]
+    try:
+        client.wait_until(lambda s: s.get("engine_requests_running", 0) >= min(rows, len(fillers)),
+                          timeout, f"{min(rows, len(fillers))} running requests")
+    except BaseException:
+        for f in fillers:
+            f.close()
+        raise
+    return fillers

@@ -1,0 +1,134 @@
+"""Fixtures of the conformance suite: the server under test, private servers, probes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import pytest
+from poot.conformance.client import Client
+from poot.conformance.outcomes import NotSupported
+from poot.conformance.scenarios import Probes
+from poot.conformance.target import (
+    BUNDLED_MODEL,
+    BUNDLED_RECURRENT_MODEL,
+    ServerCommand,
+    ServerProcess,
+    ServerStartError,
+    bundled_command,
+)
+
+
+@dataclass
+class Target:
+    """The server under test, and how to start more of it when the suite may."""
+
+    client: Client
+    command: ServerCommand | None  # None: only a URL was given
+    bundled: bool
+    options: pytest.Config
+    process: ServerProcess | None = None
+    _extra: dict[str, tuple[ServerProcess, Client] | Exception] = field(default_factory=dict)
+
+    @property
+    def step_slack(self) -> int:
+        return self.options.getoption("poot_step_slack")
+
+    def can_spawn(self) -> ServerCommand:
+        if self.command is None:
+            raise NotSupported("needs a server the suite can start (--server-cmd or the bundled one); "
+                               "only --base-url was given")
+        if not self.command.has_port:
+            raise NotSupported("the server command has no {port} placeholder, so the suite cannot start "
+                               "a private server beside the main one")
+        return self.command
+
+    def variant(self, name: str) -> Client:
+        """A second server started once per session: "recurrent" or "speculative"."""
+        if name not in self._extra:
+            self._extra[name] = self._start_variant(name)
+        got = self._extra[name]
+        if isinstance(got, BaseException):
+            raise got
+        return got[1]
+
+    def _start_variant(self, name: str) -> tuple[ServerProcess, Client] | Exception:
+        given = self.options.getoption(f"poot_{name}_server_cmd")
+        timeout = self.options.getoption("poot_startup_timeout")
+        if given:
+            command = ServerCommand(given, timeout)
+        elif self.bundled:
+            command = ServerCommand(bundled_command(BUNDLED_RECURRENT_MODEL) if name == "recurrent"
+                                    else bundled_command(BUNDLED_MODEL, "--draft", "ngram"), timeout)
+        else:
+            return NotSupported(f"needs a {name} server: pass --{name}-server-cmd")
+        try:
+            process = command.start()
+        except ServerStartError as e:
+            if given:
+                return AssertionError(f"the {name} server did not start: {e}")
+            return NotSupported(f"the bundled server has no {name} variant: {str(e).splitlines()[0]}")
+        return process, Client(process.url, dialect=self.client.dialect)
+
+    def close(self) -> None:
+        for got in self._extra.values():
+            if isinstance(got, tuple):
+                got[1].close()
+                got[0].stop()
+        self.client.close()
+        if self.process is not None:
+            self.process.stop()
+
+
+@pytest.fixture(scope="session")
+def target(pytestconfig: pytest.Config) -> Iterator[Target]:
+    url = pytestconfig.getoption("poot_base_url")
+    cmd = pytestconfig.getoption("poot_server_cmd")
+    timeout = pytestconfig.getoption("poot_startup_timeout")
+    dialect = pytestconfig.getoption("poot_metrics_dialect")
+    model = pytestconfig.getoption("poot_model")
+    bundled = not url and not cmd
+    command = ServerCommand(bundled_command() if bundled else cmd, timeout) if (cmd or bundled) else None
+    process = None
+    if command is not None:
+        if not command.has_port and not url:
+            raise pytest.UsageError("--server-cmd needs a {port} placeholder, or --base-url to say where it listens")
+        process = command.spawn()
+        process.wait_healthy(timeout)
+        if url is None:
+            url = process.url
+    t = Target(Client(url, model=model, dialect=dialect), command, bundled, pytestconfig, process)
+    yield t
+    t.close()
+
+
+@pytest.fixture(scope="session")
+def client(target: Target) -> Client:
+    return target.client
+
+
+@pytest.fixture(scope="session")
+def probes(client: Client) -> Probes:
+    return Probes(client)
+
+
+@pytest.fixture
+def spawn(target: Target) -> Iterator[Callable[..., ServerProcess]]:
+    """Starts private servers from the target's command (not waiting for health); stops them after."""
+    started: list[ServerProcess] = []
+
+    def start(extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> ServerProcess:
+        command = target.can_spawn()
+        process = command.spawn(extra_args, env)
+        started.append(process)
+        return process
+
+    yield start
+    for process in started:
+        process.stop(grace=5)
+
+
+@pytest.fixture
+def idle(client: Client):
+    """The shared server idle (no request in flight), as a metrics snapshot."""
+    return client.wait_idle()

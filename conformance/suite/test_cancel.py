@@ -1,0 +1,124 @@
+"""cancel/*: clients that hang up, streaming or not, queued or running."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from poot.conformance.client import Client, RawRequest
+from poot.conformance.scenarios import Probes, RawStream, fill_rows, rows_and_positions, unique_text
+
+clause = pytest.mark.clause
+
+
+def finished(client: Client, reason: str) -> float:
+    return client.metrics().get("requests_finished_total", 0.0, reason=reason)
+
+
+def steps_until_released(client: Client, hang_up, running_before: float, what: str) -> float:
+    """Hangs up, then counts engine steps until the running gauge is back to `running_before`."""
+    hang_up()
+    start = client.metric("engine_steps_total")
+    snap = client.wait_until(lambda s: s.get("engine_requests_running", 0) <= running_before, 10,
+                             f"the {what} request to be released after its client hung up")
+    return snap.get("engine_steps_total") - start
+
+
+def wait_running(client: Client, count: int) -> None:
+    client.wait_until(lambda s: s.get("engine_requests_running", 0) >= count, 10, f"{count} running request(s)")
+
+
+@clause("cancel/stream/1")
+def test_closed_stream_ends_within_one_step(target, client: Client, probes: Probes, idle):
+    cancelled = finished(client, "cancelled")
+    _, positions = rows_and_positions(client)
+    stream = RawStream.open(client, unique_text(20), **probes.long_params(positions - 40))
+    stream.request.read_until(b"data:", 3)
+    steps = steps_until_released(client, stream.close, 0, "streaming")
+    assert steps <= target.step_slack, \
+        f"{steps:.0f} engine steps passed between the hang-up and the release (allowed {target.step_slack})"
+    after = finished(client, "cancelled")
+    assert after == cancelled + 1, f'requests_finished_total{{reason="cancelled"}} moved by {after - cancelled:.0f}, expected 1'
+
+
+@clause("cancel/nonstream/1")
+def test_non_streaming_hang_up_ends_within_one_step(target, client: Client, probes: Probes, idle):
+    cancelled = finished(client, "cancelled")
+    _, positions = rows_and_positions(client)
+    body = client.body(unique_text(20), **probes.long_params(positions - 40))
+    request = RawRequest(client.base_url, "/v1/completions", body)
+    try:
+        wait_running(client, 1)
+        client.wait_until(lambda s: s.get("generation_tokens_total", 0) > 0, 10, "the first token")
+        time.sleep(0.02)  # let it decode a few tokens
+        steps = steps_until_released(client, request.close, 0, "non-streaming")
+    finally:
+        request.close()
+    assert steps <= target.step_slack, \
+        f"{steps:.0f} engine steps passed between the hang-up and the release (allowed {target.step_slack})"
+    after = finished(client, "cancelled")
+    assert after == cancelled + 1, f'requests_finished_total{{reason="cancelled"}} moved by {after - cancelled:.0f}, expected 1'
+
+
+@clause("cancel/waiting/1")
+def test_waiting_request_whose_client_left_never_opens(target, client: Client, probes: Probes, idle):
+    rows, positions = rows_and_positions(client)
+    fillers = fill_rows(client, probes, rows, [positions - 40] * rows)
+    waiter = None
+    try:
+        waiter = RawStream.open(client, unique_text(16), **probes.long_params(8))
+        client.wait_until(lambda s: s.get("engine_requests_waiting", 0) >= 1, 10, "one waiting request")
+        waiter.close()
+        start = client.metric("engine_steps_total")
+        snap = client.wait_until(lambda s: s.get("engine_requests_waiting", 0) == 0, 10,
+                                 "the waiting request to leave the queue")
+        steps = snap.get("engine_steps_total") - start
+        assert snap.get("engine_requests_running") == rows, \
+            f"{snap.get('engine_requests_running')} running after the queued client left, expected {rows}"
+        assert steps <= target.step_slack, \
+            f"the abandoned request stayed queued for {steps:.0f} steps (allowed {target.step_slack})"
+    finally:
+        for s in fillers + ([waiter] if waiter else []):
+            s.close()
+
+
+@clause("cancel/release/1")
+def test_cancelled_requests_give_back_their_blocks(client: Client, probes: Probes, idle):
+    _, positions = rows_and_positions(client)
+    for after_chunks in (0, 1, 5, 20):
+        stream = RawStream.open(client, unique_text(30), **probes.long_params(positions - 48))
+        if after_chunks:
+            stream.request.read_until(b"data:", after_chunks)
+        else:
+            wait_running(client, 1)
+        stream.close()
+        client.wait_until(lambda s: s.get("engine_requests_running", 0) == 0, 10, "the release")
+    request = RawRequest(client.base_url, "/v1/completions", client.body(unique_text(30), **probes.long_params(positions - 48)))
+    wait_running(client, 1)
+    request.close()
+    deadline = time.monotonic() + 5
+    snap = client.metrics()
+    while (snap.get("kv_blocks_reserved", 0) or snap.get("kv_blocks_in_use", 0)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+        snap = client.metrics()
+    assert snap.get("kv_blocks_reserved") == 0 and snap.get("kv_blocks_in_use") == 0, \
+        (f"after 5 cancelled requests: kv_blocks_reserved {snap.get('kv_blocks_reserved'):.0f}, "
+         f"kv_blocks_in_use {snap.get('kv_blocks_in_use'):.0f}, expected 0")
+
+
+@clause("cancel/prefix/1")
+def test_cancelled_request_registers_its_prompt(client: Client, probes: Probes, idle):
+    plan = client.need_plan("block_size", "positions")
+    client.need_metrics("prefix_registered_tokens")
+    bs = plan["block_size"]
+    prompt = unique_text(min(plan["positions"] // 2, 12 * bs))
+    registered = client.metric("prefix_registered_tokens")
+    stream = RawStream.open(client, prompt, **probes.long_params(plan["positions"] // 3))
+    stream.request.read_until(b"data:", 2)
+    stream.close()
+    client.wait_idle()
+    grown = client.metric("prefix_registered_tokens") - registered
+    assert grown >= 4 * bs, f"prefix_registered_tokens grew by {grown:.0f} after cancelling a ~{len(prompt)}-token prompt"
+    answer = client.complete(prompt, max_tokens=1)
+    cached = (answer["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    assert cached > 0, f"the same prompt after the cancelled one reports cached_tokens {cached}"

@@ -1,0 +1,105 @@
+"""drain/*: shutdown lets in-flight requests finish while /health says draining."""
+
+from __future__ import annotations
+
+import signal
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import pytest
+from poot.conformance.client import Client
+from poot.conformance.scenarios import Mux, RawStream, unique_text
+
+clause = pytest.mark.clause
+MAX_TOKENS = 400
+
+
+@dataclass
+class Drain:
+    health: list[tuple[int | None, dict]] = field(default_factory=list)  # answers while the stream ran
+    new_request: int | str | None = None  # status of a request sent while draining, or "refused"
+    finish_reason: str | None = None
+    done: bool = False
+    exit_code: int | None = None
+    stream_ended_before_poll: bool = False
+
+
+def run_drain(spawn, timeout: float) -> Drain:
+    server = spawn()
+    server.wait_healthy(timeout)
+    client = Client(server.url)
+    drain = Drain()
+    try:
+        stream = RawStream.open(client, unique_text(16), max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+        Mux([stream]).run(until=lambda m: stream.first_data is not None, timeout=30)
+        server.signal(signal.SIGTERM)
+        with httpx.Client(timeout=2.0) as probe:
+            for _ in range(3):
+                if stream.finished is not None:
+                    break
+                try:
+                    r = probe.get(server.url + "/health")
+                    body = r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
+                    drain.health.append((r.status_code, body))
+                except (httpx.HTTPError, ValueError):
+                    drain.health.append((None, {}))
+                time.sleep(0.01)
+            try:
+                r = probe.post(server.url + "/v1/completions", json=client.body("late", max_tokens=2))
+                drain.new_request = r.status_code
+            except httpx.HTTPError:
+                drain.new_request = "refused"
+        drain.stream_ended_before_poll = not drain.health
+        Mux([stream]).run(timeout=60)
+        chunks = stream.result()
+        drain.done = chunks[1]
+        drain.finish_reason = stream.finish_reason()
+        drain.exit_code = server.wait_exit(timeout)
+        return drain
+    finally:
+        client.close()
+
+
+@pytest.fixture(scope="module")
+def recorded() -> dict:
+    return {}
+
+
+def drained(spawn, target, recorded) -> Drain:
+    if "drain" not in recorded:
+        try:
+            recorded["drain"] = run_drain(spawn, target.options.getoption("poot_startup_timeout"))
+        except BaseException as e:  # noqa: BLE001 - replayed to every clause of the scenario
+            recorded["drain"] = e
+    got = recorded["drain"]
+    if isinstance(got, BaseException):
+        raise got
+    return got
+
+
+@clause("drain/health/1")
+def test_health_reports_draining(spawn, target, recorded):
+    d = drained(spawn, target, recorded)
+    assert d.health, f"the request ({MAX_TOKENS} tokens) ended before /health could be asked"
+    wrong = [(s, b) for s, b in d.health if s != 503 or b.get("status") != "draining"]
+    assert not wrong, f"while draining /health answered {wrong[0][0]} {wrong[0][1]!r}, expected 503 status 'draining'"
+
+
+@clause("drain/inflight/1")
+def test_in_flight_requests_finish(spawn, target, recorded):
+    d = drained(spawn, target, recorded)
+    assert d.finish_reason == "length" and d.done, \
+        f"the stream in flight at shutdown ended with finish_reason {d.finish_reason!r} (done: {d.done}), expected 'length'"
+
+
+@clause("drain/refuse/1")
+def test_new_requests_are_turned_away(spawn, target, recorded):
+    d = drained(spawn, target, recorded)
+    assert d.new_request in (503, "refused"), f"a new request while draining answered {d.new_request}, expected 503"
+
+
+@clause("drain/exit/1")
+def test_process_exits_once_drained(spawn, target, recorded):
+    d = drained(spawn, target, recorded)
+    assert d.exit_code == 0, f"the server exited with {d.exit_code} after draining (None: still running), expected 0"

@@ -1,0 +1,151 @@
+"""loop/*: batching, admission, reservation, preemption and the prefill budget, seen from outside."""
+
+from __future__ import annotations
+
+import math
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from poot.conformance.client import Client
+from poot.conformance.scenarios import Mux, Probes, RawStream, fill_rows, rows_and_positions, unique_text
+
+clause = pytest.mark.clause
+
+
+@clause("loop/batching/1")
+def test_concurrent_requests_share_steps(client: Client, probes: Probes, idle):
+    k, n = 4, 48
+    before = client.metric("engine_steps_total")
+    with ThreadPoolExecutor(k) as pool:
+        answers = list(pool.map(lambda _: client.complete(unique_text(16), **probes.long_params(n)), range(k)))
+    client.wait_idle()
+    steps = client.metric("engine_steps_total") - before
+    tokens = sum(a["usage"]["completion_tokens"] for a in answers)
+    longest = max(a["usage"]["completion_tokens"] for a in answers)
+    assert steps < max(tokens / 2, longest + 1), \
+        f"{k} concurrent requests of {n} tokens ({tokens} in all) took {steps:.0f} steps; batched they need about {longest}"
+
+
+def staggered_fill(client: Client, probes: Probes, first: int, gap: int, staggered: int = 3):
+    """Every row taken; the first `staggered` fillers end `gap` tokens apart, the rest much later."""
+    rows, positions = rows_and_positions(client)
+    longest = positions - 40
+    assert first + gap * staggered + 64 <= longest, f"plan positions {positions} too small for this check"
+    lengths = [first + gap * i for i in range(staggered)] + [longest] * (rows - staggered)
+    return rows, fill_rows(client, probes, rows, lengths)
+
+
+@clause("loop/admission/1")
+def test_waiting_requests_open_oldest_first(client: Client, probes: Probes, idle):
+    rows, fillers = staggered_fill(client, probes, first=160, gap=24)
+    waiters = []
+    try:
+        for i in range(3):
+            waiters.append(RawStream.open(client, unique_text(16), **probes.long_params(24)))
+            client.wait_until(lambda s, n=i + 1: s.get("engine_requests_waiting", 0) >= n, 10,
+                              f"{i + 1} waiting requests")
+        mux = Mux(fillers + waiters)
+        w = list(range(rows, rows + 3))
+        mux.run(until=lambda m: all(m.streams[i].first_data is not None for i in w), timeout=60)
+        order = [i - rows for i in mux.first_data_order(w)]
+        assert order == [0, 1, 2], f"queued requests opened in order {order} (0 = sent first), expected [0, 1, 2]"
+    finally:
+        for s in fillers + waiters:
+            s.close()
+
+
+@clause("loop/admission/2")
+@clause("loop/preempt/1")
+def test_request_without_room_waits_and_nothing_is_preempted(client: Client, probes: Probes, idle):
+    rows, fillers = staggered_fill(client, probes, first=120, gap=24, staggered=1)
+    newcomer = None
+    try:
+        newcomer = RawStream.open(client, unique_text(16), **probes.long_params(16))
+        client.wait_until(lambda s: s.get("engine_requests_waiting", 0) >= 1, 10, "one waiting request")
+        snap = client.metrics()
+        assert snap.get("engine_requests_running") == rows, \
+            f"{snap.get('engine_requests_running')} running with a request waiting; expected all {rows} rows"
+        mux = Mux([fillers[0], newcomer])
+        mux.run(timeout=60)
+        first_end = fillers[0].finished
+        assert newcomer.first_data is not None, "the waiting request never got a token"
+        assert newcomer.first_data >= first_end, \
+            (f"the waiting request got its first token {first_end - newcomer.first_data:.3f}s before any "
+             "running request finished: a running request lost its row")
+        assert fillers[0].finish_reason() == "length", \
+            f"the first running request ended {fillers[0].finish_reason()!r}, expected 'length' (all its tokens)"
+        assert newcomer.finish_reason() == "length", \
+            f"the waiting request ended {newcomer.finish_reason()!r}; a request without room must wait, then be served"
+        assert newcomer.request.status == 200, f"the waiting request answered {newcomer.request.status}"
+    finally:
+        for s in fillers + ([newcomer] if newcomer else []):
+            s.close()
+
+
+@clause("loop/reserve/1")
+def test_opening_reserves_the_whole_max_tokens(client: Client, probes: Probes, idle):
+    plan = client.need_plan("block_size", "positions")
+    prompt, max_tokens = unique_text(40), plan["positions"] // 2
+    prompt_tokens = client.complete(prompt, max_tokens=1)["usage"]["prompt_tokens"]
+    client.wait_idle()
+    need = math.ceil((prompt_tokens + max_tokens) / plan["block_size"])
+    stream = RawStream.open(client, prompt + " again", **probes.long_params(max_tokens))
+    low = None
+    try:
+        mux = Mux([stream])
+        mux.run(until=lambda m: stream.first_data is not None, timeout=30)
+        for _ in range(20):
+            snap = client.metrics()
+            if snap.get("engine_requests_running", 0) == 0:
+                break
+            reserved = snap.get("kv_blocks_reserved", 0)
+            low = reserved if low is None else min(low, reserved)
+            time.sleep(0.005)
+    finally:
+        stream.close()
+    assert low is not None, "the request ended before kv_blocks_reserved could be read"
+    assert low >= need, (f"kv_blocks_reserved fell to {low:.0f} while a request of ~{prompt_tokens} prompt + "
+                         f"{max_tokens} max_tokens ran; it needs {need} blocks of {plan['block_size']}")
+
+
+def _burst(client: Client, k: int, chars: int):
+    prompts = [unique_text(chars) for _ in range(k)]
+    with ThreadPoolExecutor(k) as pool:
+        return list(pool.map(lambda p: client.complete(p, max_tokens=1), prompts))
+
+
+@clause("loop/prefill/1")
+def test_decoding_rows_advance_every_step(client: Client, probes: Probes, idle):
+    plan = client.need_plan("positions", "token_budget")
+    long_chars = min(plan["positions"] - 24, 2 * plan["token_budget"])
+    max_tokens = plan["positions"] - 40
+    before = client.metric("engine_steps_total")
+    decode = RawStream.open(client, unique_text(16), **probes.long_params(max_tokens))
+    try:
+        Mux([decode]).run(until=lambda m: decode.first_data is not None, timeout=30)
+        _burst(client, 4, long_chars)
+        Mux([decode]).run(timeout=60)
+    finally:
+        decode.close()
+    assert decode.finish_reason() == "length", f"the decoding request ended {decode.finish_reason()!r}"
+    client.wait_idle()
+    steps = client.metric("engine_steps_total") - before
+    assert steps <= max_tokens + 1, \
+        (f"a request of {max_tokens} tokens lived through {steps:.0f} steps while 4 long prompts were "
+         "prefilled: some steps left the decoding row out")
+
+
+@clause("loop/prefill/2")
+def test_prefill_stays_within_the_token_budget(client: Client, idle):
+    plan = client.need_plan("positions", "token_budget")
+    chars = min(plan["positions"] - 8, int(plan["token_budget"] * 1.5))
+    k = 4
+    before = client.metric("engine_steps_total")
+    answers = _burst(client, k, chars)
+    steps = client.metric("engine_steps_total") - before
+    total = sum(a["usage"]["prompt_tokens"] - a["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
+                for a in answers)
+    need = math.ceil(total / plan["token_budget"])
+    assert steps >= need, (f"{k} prompts of {total} tokens in all were prefilled in {steps:.0f} steps; a budget of "
+                           f"{plan['token_budget']} tokens per step needs at least {need}")

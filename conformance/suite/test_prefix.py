@@ -1,0 +1,78 @@
+"""prefix/*: registration, reuse, metrics, and recurrent models registering nothing."""
+
+from __future__ import annotations
+
+import pytest
+from poot.conformance.client import Client
+from poot.conformance.scenarios import unique_text
+
+clause = pytest.mark.clause
+
+
+def cached_tokens(answer: dict) -> int:
+    details = answer["usage"].get("prompt_tokens_details")
+    assert isinstance(details, dict) and isinstance(details.get("cached_tokens"), int), \
+        f"usage has no prompt_tokens_details.cached_tokens: {answer['usage']!r}"
+    return details["cached_tokens"]
+
+
+@clause("prefix/register/1")
+def test_finished_request_registers_whole_prompt_blocks(client: Client, idle):
+    plan = client.need_plan("block_size", "positions")
+    bs = plan["block_size"]
+    registered = client.metric("prefix_registered_tokens")
+    answer = client.complete(unique_text(min(plan["positions"] // 2, 10 * bs + 5)), max_tokens=2)
+    client.wait_idle()
+    grown = client.metric("prefix_registered_tokens") - registered
+    p = answer["usage"]["prompt_tokens"]
+    assert grown % bs == 0, f"prefix_registered_tokens grew by {grown:.0f}, not a multiple of block_size {bs}"
+    assert (p // bs - 1) * bs <= grown <= p, \
+        f"a {p}-token prompt grew prefix_registered_tokens by {grown:.0f}; its whole blocks hold {(p // bs) * bs}"
+
+
+@clause("prefix/reuse/1")
+def test_later_request_reuses_the_prefix(client: Client):
+    plan = client.need_plan("block_size", "positions")
+    bs = plan["block_size"]
+    prompt = unique_text(min(plan["positions"] // 2, 8 * bs + 3))
+    first = client.complete(prompt, max_tokens=2)
+    second = client.complete(prompt, max_tokens=2)
+    third = client.complete(prompt + " and then something else entirely", max_tokens=2)
+    assert cached_tokens(first) == 0, f"a fresh prompt reports cached_tokens {cached_tokens(first)}"
+    for name, answer in (("the same prompt", second), ("a longer prompt with that prefix", third)):
+        got = cached_tokens(answer)
+        assert got > 0 and got % bs == 0, f"{name} reports cached_tokens {got}, expected a positive multiple of {bs}"
+        assert got <= answer["usage"]["prompt_tokens"], f"{name}: cached_tokens {got} > prompt_tokens"
+    assert second["usage"]["prompt_tokens"] == first["usage"]["prompt_tokens"], "prompt_tokens changed with a cache hit"
+    try:
+        rate = client.metrics().get("prefix_cache_hit_rate")
+    except Exception:  # noqa: BLE001 - no /metrics: the usage check above is what this clause needs
+        rate = None
+    assert rate is None or rate > 0, f"prefix_cache_hit_rate is {rate} after cache hits"
+
+
+@clause("prefix/metrics/1")
+def test_prefix_metrics_are_exported(client: Client):
+    client.complete(unique_text(80), max_tokens=2)
+    snap = client.metrics()
+    missing = [n for n in ("prefix_registered_tokens", "prefix_skipped_releases", "prefix_cache_hit_rate") if not snap.has(n)]
+    assert not missing, f"/metrics lacks {missing}"
+    rate = snap.get("prefix_cache_hit_rate")
+    assert 0.0 <= rate <= 1.0, f"prefix_cache_hit_rate is {rate}, outside [0, 1]"
+    assert snap.get("prefix_registered_tokens") >= 0
+
+
+@clause("prefix/recurrent/1")
+def test_recurrent_model_registers_nothing(target):
+    rec = target.variant("recurrent")
+    before = rec.metrics()
+    prompt = unique_text(120)
+    answers = [rec.complete(prompt, max_tokens=3) for _ in range(3)]
+    rec.wait_idle()
+    after = rec.metrics()
+    assert after.get("prefix_registered_tokens") == 0, \
+        f"a recurrent model registered {after.get('prefix_registered_tokens'):.0f} prefix tokens"
+    skipped = after.get("prefix_skipped_releases") - before.get("prefix_skipped_releases")
+    assert skipped == 3, f"prefix_skipped_releases grew by {skipped:.0f} for 3 finished requests"
+    cached = [(a["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0) for a in answers]
+    assert cached == [0, 0, 0], f"a recurrent model reported cached tokens {cached}"

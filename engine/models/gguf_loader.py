@@ -1,0 +1,423 @@
+"""Loads a Llama-family GGUF file (llama.cpp's format) into a LoadedModel.
+
+Every tensor is dequantized to float32 with gguf-py (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1,
+Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) into the canonical names and [out, in] layout of base.py.
+llama.cpp's HF->GGUF converter interleaves the rotary halves of the Q and K rows; the loader
+undoes it (unpermute_rows), so the weights are in the Hugging Face "rotate_half" layout.
+A file without `output.weight` has its output head tied to the embedding.
+
+Cache: parsing and dequantizing a file takes seconds, so files of CACHE_MIN_BYTES (32 MiB) or
+more keep their float32 weights, config and tokenizer in
+    $POOT_CACHE_DIR/gguf/<key>/        (POOT_CACHE_DIR defaults to $XDG_CACHE_HOME/poot,
+                                        that is ~/.cache/poot)
+        weights.safetensors  tokenizer.json  meta.json
+keyed by the file's real path, size, modification time and first MiB; an entry for an older
+version of the same file is removed when a new one is written. POOT_NO_CACHE=1 turns the
+cache off; load_gguf(path, cache=True/False) forces it on or off. The default model
+(SmolLM2-135M) takes about 540 MB there. A cache entry that cannot be read is ignored and
+rewritten; a cache that cannot be written only costs the next load its speed.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+from .base import LlamaConfig, LoadedModel, ModelLoadError
+from .canonical import expected_shapes
+from .hf_tokenizer import GGUFVocab, HFTokenizer, tokenizer_from_gguf
+
+log = logging.getLogger(__name__)
+
+CACHE_VERSION = 1
+CACHE_MIN_BYTES = 32 << 20
+ARCHITECTURES = ("llama",)
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "F64", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
+                   "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+
+_LAYER_TENSORS = {
+    "attn_norm": "attn_norm", "attn_q": "wq", "attn_k": "wk", "attn_v": "wv", "attn_output": "wo",
+    "ffn_norm": "mlp_norm", "ffn_gate": "w_gate", "ffn_up": "w_up", "ffn_down": "w_down",
+}
+_GLOBAL_TENSORS = {"token_embd.weight": "embed", "output_norm.weight": "norm", "output.weight": "lm_head"}
+_LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+
+
+def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Inverse of the converter's `w.reshape(n_head, 2, rows // n_head // 2, *rest).swapaxes(1, 2)`:
+    interleaved rotary pairs back to the rotate_half halves, head by head."""
+    rows = w.shape[0]
+    return np.ascontiguousarray(
+        w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape))
+
+
+# ---- reading -------------------------------------------------------------------------------
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return text or type(e).__name__
+
+
+def _open_reader(path: Path):
+    """A gguf.GGUFReader for the file, or ModelLoadError naming what is wrong with it."""
+    import gguf
+
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise ModelLoadError(f"model file not found: {path}") from None
+    except OSError as e:
+        raise ModelLoadError(f"cannot read model file {path}: {_one_line(e)}") from None
+    if not path.is_file():
+        raise ModelLoadError(f"model path is not a file: {path}")
+    if size == 0:
+        raise ModelLoadError(f"model file is empty: {path}")
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise ModelLoadError(f"cannot read model file {path}: {_one_line(e)}") from None
+    if magic != b"GGUF":
+        raise ModelLoadError(f"not a GGUF file (bad magic {magic!r}): {path}")
+    try:
+        try:
+            reader = _fast_reader_class()(str(path), "r")
+        except (TypeError, AttributeError):  # a gguf-py whose private reader API changed
+            reader = gguf.GGUFReader(str(path), "r")
+    except Exception as e:
+        # gguf-py's own message (a numpy view or index error) says nothing useful to a user.
+        log.debug("GGUFReader failed on %s: %s", path, _one_line(e))
+        detail = _one_line(e).strip("'\"")
+        if "version" in detail.lower():
+            raise ModelLoadError(f"unsupported GGUF version in {path}: {detail}") from None
+        if "duplicate" in detail.lower() or "alignment" in detail.lower():
+            raise ModelLoadError(f"corrupt GGUF file {path}: {detail}") from None
+        raise ModelLoadError(f"truncated or corrupt GGUF file {path}: the header describes more than "
+                             f"its {size} bytes hold") from None
+    if reader.byte_order != "I":
+        raise ModelLoadError(f"big-endian GGUF files are not supported: {path}")
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > size:
+            raise ModelLoadError(f"truncated GGUF file {path}: tensor {t.name} ends past the end of the file")
+    return reader
+
+
+@functools.cache
+def _fast_reader_class():
+    import gguf
+
+    class FastReader(gguf.GGUFReader):
+        """GGUFReader that slices a plain ndarray view of its memmap: np.memmap's per-slice
+        overhead makes parsing a 50k-token vocabulary take seconds otherwise."""
+
+        def _get(self, offset, dtype, count=1, override_order=None):
+            plain = self.__dict__.get("_plain_view")
+            if plain is None:
+                plain = self._plain_view = self.data.view(np.ndarray)
+            count = int(count)
+            dt = np.dtype(dtype)
+            arr = plain[offset : offset + dt.itemsize * count].view(dt)[:count]
+            return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+    return FastReader
+
+
+def _field_value(field):
+    """A metadata field as a Python value (str, int, float, bool, or a list of them)."""
+    from gguf import GGUFValueType as V
+
+    types = field.types
+    if not types:
+        return None
+    if types[0] == V.STRING:
+        return bytes(field.parts[field.data[0]]).decode("utf-8", errors="replace")
+    if types[0] == V.ARRAY:
+        if len(types) != 2:
+            return None  # nested arrays: nothing the loader reads
+        if types[1] == V.STRING:
+            return [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]
+        if not field.data:
+            return []
+        return np.concatenate([field.parts[i] for i in field.data]).tolist()
+    return field.parts[field.data[0]].tolist()[0]
+
+
+def _metadata(reader) -> dict:
+    out = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        try:
+            out[key] = _field_value(field)
+        except Exception as e:
+            raise ModelLoadError(f"corrupt GGUF metadata value {key}: {_one_line(e)}") from None
+    return out
+
+
+def dequantize_tensor(tensor) -> np.ndarray:
+    """One reader tensor as a float32 C-contiguous array of shape (rows, ..., cols), that is
+    the gguf shape reversed ([out, in] for matrices); never a view of the file."""
+    import gguf
+
+    Q = gguf.GGMLQuantizationType
+    kind = tensor.tensor_type
+    data = np.asarray(tensor.data)
+    if kind == Q.F32:
+        out = np.array(data, dtype=np.float32, copy=True)
+    elif kind in (Q.F16, Q.F64):
+        out = data.astype(np.float32)
+    else:
+        out = gguf.quants.dequantize(data, kind)
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    return np.ascontiguousarray(out, dtype=np.float32).reshape(shape)
+
+
+def _scalar(meta: dict, key: str, default=None, *, required: bool = False):
+    value = meta.get(key)
+    if value is None:
+        if required:
+            raise ModelLoadError(f"missing metadata key {key}")
+        return default
+    if isinstance(value, list):
+        if value and all(v == value[0] for v in value):
+            return value[0]  # a per-layer array with one value throughout
+        raise ModelLoadError(f"metadata key {key} varies by layer, which the llama forward does not support")
+    return value
+
+
+def _f32(value) -> float:
+    """A float32 metadata value as the decimal it was written from (9.99999975e-06 -> 1e-05)."""
+    return float(f"{float(value):.7g}")
+
+
+def _config(meta: dict, arch: str, shapes: dict[str, tuple[int, ...]]) -> LlamaConfig:
+    k = f"{arch}."
+    hidden = int(_scalar(meta, k + "embedding_length", required=True))
+    layers = int(_scalar(meta, k + "block_count", required=True))
+    inter = int(_scalar(meta, k + "feed_forward_length", required=True))
+    heads = int(_scalar(meta, k + "attention.head_count", required=True))
+    kv_heads = int(_scalar(meta, k + "attention.head_count_kv", heads))
+    if heads <= 0 or kv_heads <= 0 or heads % kv_heads:
+        raise ModelLoadError(f"bad attention head counts: {heads} heads, {kv_heads} kv heads")
+    head_dim = int(_scalar(meta, k + "attention.key_length", hidden // heads))
+    if int(_scalar(meta, k + "attention.value_length", head_dim)) != head_dim:
+        raise ModelLoadError("attention key and value head sizes differ, which the llama forward does not support")
+    if head_dim % 2:
+        raise ModelLoadError(f"odd attention head size {head_dim}")
+    rope_dims = int(_scalar(meta, k + "rope.dimension_count", head_dim))
+    if rope_dims != head_dim:
+        raise ModelLoadError(f"partial rotary embedding ({rope_dims} of {head_dim} dims) is not supported")
+    scaling = _scalar(meta, k + "rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise ModelLoadError(f"rope scaling {scaling!r} is not supported")
+    embed = shapes.get("token_embd.weight")
+    if embed is None:
+        raise ModelLoadError("missing tensor token_embd.weight")
+    vocab = embed[0]
+    return LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_layers=layers, num_heads=heads,
+        num_kv_heads=kv_heads, head_dim=head_dim,
+        rope_theta=_f32(_scalar(meta, k + "rope.freq_base", 10000.0)),
+        rms_eps=_f32(_scalar(meta, k + "attention.layer_norm_rms_epsilon", 1e-5)),
+        max_positions=int(_scalar(meta, k + "context_length", 2048)),
+        tie_embeddings="output.weight" not in shapes,
+    )
+
+
+def _canonical_name(name: str, num_layers: int) -> str | None:
+    if name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[name]
+    m = _LAYER_NAME.fullmatch(name)
+    if m and int(m.group(1)) < num_layers and m.group(2) in _LAYER_TENSORS:
+        return f"layers.{int(m.group(1))}.{_LAYER_TENSORS[m.group(2)]}"
+    return None
+
+
+def _vocab(meta: dict) -> GGUFVocab:
+    g = "tokenizer.ggml."
+
+    def opt_int(key):
+        v = meta.get(g + key)
+        return None if v is None or isinstance(v, list) else int(v)
+
+    model = meta.get(g + "model")
+    if model is None:
+        raise ModelLoadError("the file has no tokenizer (tokenizer.ggml.model is missing)")
+    return GGUFVocab(
+        model=str(model), tokens=meta.get(g + "tokens") or [], token_types=meta.get(g + "token_type"),
+        scores=meta.get(g + "scores"), merges=meta.get(g + "merges"), pre=meta.get(g + "pre"),
+        bos_id=opt_int("bos_token_id"), eos_id=opt_int("eos_token_id"), eot_id=opt_int("eot_token_id"),
+        eom_id=opt_int("eom_token_id"), unk_id=opt_int("unknown_token_id"),
+        add_bos=meta.get(g + "add_bos_token"), add_space_prefix=meta.get(g + "add_space_prefix"),
+    )
+
+
+def _read_model(path: Path) -> LoadedModel:
+    reader = _open_reader(path)
+    meta = _metadata(reader)
+    arch = meta.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ModelLoadError(f"unsupported architecture {arch!r} in {path.name} (poot loads: {', '.join(ARCHITECTURES)})")
+    tensors = {t.name: t for t in reader.tensors}
+    shapes = {name: tuple(int(d) for d in reversed(t.shape.tolist())) for name, t in tensors.items()}
+    if "rope_freqs.weight" in tensors:
+        raise ModelLoadError("rope frequency scaling (tensor rope_freqs.weight, as in Llama 3.1+) is not supported")
+    config = _config(meta, arch, shapes)
+
+    names = {}
+    for name, t in tensors.items():
+        canon = _canonical_name(name, config.num_layers)
+        if canon is None:
+            raise ModelLoadError(f"unexpected tensor {name}: not part of the llama model poot runs")
+        if t.tensor_type.name not in SUPPORTED_TYPES:
+            raise ModelLoadError(f"tensor {name} has type {t.tensor_type.name}, which poot cannot dequantize "
+                                 f"(supported: {', '.join(SUPPORTED_TYPES)})")
+        names[canon] = name
+    expected = expected_shapes(config)
+    gguf_names = {v: k for k, v in _GLOBAL_TENSORS.items()} | {
+        f"layers.{i}.{c}": f"blk.{i}.{g}.weight" for i in range(config.num_layers) for g, c in _LAYER_TENSORS.items()}
+    for canon, shape in expected.items():
+        if canon not in names:
+            raise ModelLoadError(f"missing tensor {gguf_names[canon]}")
+        if shapes[names[canon]] != shape:
+            raise ModelLoadError(f"tensor {names[canon]} has shape {list(shapes[names[canon]])}, expected {list(shape)}")
+
+    tokenizer, special = tokenizer_from_gguf(_vocab(meta))
+    weights = {}
+    for canon in expected:
+        name = names[canon]
+        try:
+            w = dequantize_tensor(tensors[name])
+        except Exception as e:
+            raise ModelLoadError(f"cannot dequantize tensor {name} ({tensors[name].tensor_type.name}): {_one_line(e)}") from None
+        if canon.endswith(".wq"):
+            w = unpermute_rows(w, config.num_heads)
+        elif canon.endswith(".wk"):
+            w = unpermute_rows(w, config.num_kv_heads)
+        weights[canon] = w
+    template = meta.get("tokenizer.chat_template")
+    return LoadedModel(
+        name=str(meta.get("general.name") or path.stem), config=config, weights=weights, tokenizer=tokenizer,
+        chat_template=template if isinstance(template, str) else None, special_tokens=special, source=str(path),
+    )
+
+
+# ---- the cache -----------------------------------------------------------------------------
+
+def cache_root() -> Path:
+    root = os.environ.get("POOT_CACHE_DIR")
+    if root:
+        return Path(root).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "poot"
+
+
+def _cache_key(path: Path) -> str:
+    st = path.stat()
+    h = hashlib.sha256(f"{CACHE_VERSION}|{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode())
+    with open(path, "rb") as f:
+        h.update(f.read(1 << 20))
+    return h.hexdigest()[:32]
+
+
+def _cache_read(entry: Path) -> LoadedModel | None:
+    from safetensors import safe_open
+
+    try:
+        meta = json.loads((entry / "meta.json").read_text(encoding="utf-8"))
+        if meta.get("version") != CACHE_VERSION:
+            return None
+        config = LlamaConfig(**meta["config"])
+        weights = {}
+        with safe_open(str(entry / "weights.safetensors"), framework="numpy") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                arr = f.get_tensor(name)
+                if not (arr.flags.writeable and arr.flags.c_contiguous and arr.dtype == np.float32):
+                    arr = np.array(arr, dtype=np.float32, order="C", copy=True)
+                weights[name] = arr
+        expected = expected_shapes(config)
+        if {k: v.shape for k, v in weights.items()} != expected:
+            return None
+        tokenizer = HFTokenizer.from_state((entry / "tokenizer.json").read_text(encoding="utf-8"), meta["tokenizer"])
+        return LoadedModel(name=meta["name"], config=config, weights=weights, tokenizer=tokenizer,
+                           chat_template=meta["chat_template"], special_tokens=meta["special_tokens"],
+                           source=meta["source"])
+    except Exception as e:  # a damaged or foreign entry: reload from the file
+        log.warning("ignoring unreadable cache entry %s: %s", entry, _one_line(e))
+        return None
+
+
+def _cache_write(root: Path, key: str, model: LoadedModel, real: str) -> None:
+    from safetensors.numpy import save_file
+
+    final = root / key
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=root))
+        try:
+            save_file(model.weights, str(tmp / "weights.safetensors"))
+            (tmp / "tokenizer.json").write_text(model.tokenizer.to_json(), encoding="utf-8")
+            meta = {"version": CACHE_VERSION, "realpath": real, "name": model.name, "config": asdict(model.config),
+                    "chat_template": model.chat_template, "special_tokens": model.special_tokens,
+                    "source": model.source, "tokenizer": model.tokenizer.state()}
+            (tmp / "meta.json").write_text(json.dumps(meta), encoding="utf-8")
+            if final.exists():
+                shutil.rmtree(final, ignore_errors=True)
+            os.rename(tmp, final)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+    except OSError as e:
+        log.warning("cannot write the model cache under %s: %s", root, _one_line(e))
+        return
+    # Older entries for the same file are stale now.
+    for other in root.iterdir():
+        if other.name == key or other.name.startswith("."):
+            continue
+        try:
+            if json.loads((other / "meta.json").read_text(encoding="utf-8")).get("realpath") == real:
+                shutil.rmtree(other, ignore_errors=True)
+        except (OSError, ValueError):
+            continue
+
+
+def load_gguf(path: str | os.PathLike, *, cache: bool | None = None, cache_dir: str | os.PathLike | None = None
+              ) -> LoadedModel:
+    """Loads a llama GGUF file; raises ModelLoadError with a one-line message on any problem.
+
+    cache: None uses the cache for files of CACHE_MIN_BYTES or more unless POOT_NO_CACHE is
+    set; True/False force it. cache_dir overrides the cache root (see the module docstring).
+    """
+    path = Path(path).expanduser()
+    try:
+        size = path.stat().st_size if path.is_file() else 0
+    except OSError:
+        size = 0
+    if cache is None:
+        cache = size >= CACHE_MIN_BYTES and os.environ.get("POOT_NO_CACHE", "") in ("", "0")
+    if not cache or size == 0:
+        return _read_model(path)
+
+    root = (Path(cache_dir).expanduser() if cache_dir is not None else cache_root()) / "gguf"
+    try:
+        key = _cache_key(path)
+    except OSError:
+        return _read_model(path)
+    if (root / key / "meta.json").is_file():
+        model = _cache_read(root / key)
+        if model is not None:
+            model.source = str(path)
+            return model
+    model = _read_model(path)
+    _cache_write(root, key, model, str(path.resolve()))
+    return model

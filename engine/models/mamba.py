@@ -1,0 +1,259 @@
+"""The Mamba family (Mamba-1, the selective state space model of Gu & Dao, 2023): config,
+a batched step over per-row recurrent state, and loading from GGUF (architecture "mamba").
+
+A Mamba model keeps no per-token KV. Each row of the plan owns one state slot per layer: the
+last d_conv - 1 inputs of the causal convolution and the (d_inner, d_state) SSM state. A step
+feeds each row's tokens through its slot, so chunked prefill equals one-shot prefill and a
+row computes the same whatever else shares the step. A row fed from position 0 starts from
+zero state: that is how a request that opens a row never sees the previous owner's state.
+
+Canonical weights ([out, in] orientation, as in base.py):
+
+    embed                 (vocab, hidden)
+    layers.{i}.norm       (hidden,)               RMSNorm before the mixer
+    layers.{i}.in_proj    (2 * d_inner, hidden)   x and the gate z
+    layers.{i}.conv_w     (d_inner, d_conv)       depthwise causal convolution
+    layers.{i}.conv_b     (d_inner,)
+    layers.{i}.x_proj     (dt_rank + 2 * d_state, d_inner)
+    layers.{i}.dt_proj    (d_inner, dt_rank)
+    layers.{i}.dt_bias    (d_inner,)
+    layers.{i}.A          (d_inner, d_state)      already -exp(A_log)
+    layers.{i}.D          (d_inner,)
+    layers.{i}.out_proj   (hidden, d_inner)
+    norm                  (hidden,)
+    lm_head               (vocab, hidden); absent when tied to embed
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..drivers.base import RowWork
+from .base import LoadedModel, ModelLoadError
+
+
+@dataclass(slots=True, frozen=True)
+class MambaConfig:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    d_inner: int
+    d_state: int = 16
+    d_conv: int = 4
+    dt_rank: int = 0  # 0: ceil(hidden_size / 16), Mamba's default
+    rms_eps: float = 1e-5
+    max_positions: int = 2048  # no positional limit of its own; the plan's per-sequence cap
+    tie_embeddings: bool = False
+    family: str = "mamba"
+    recurrent: bool = True  # per-row state instead of per-token KV: no prefix is ever registered
+
+    def __post_init__(self):
+        if self.dt_rank == 0:
+            object.__setattr__(self, "dt_rank", -(-self.hidden_size // 16))
+
+    def state_bytes_per_row(self, itemsize: int = 4) -> int:
+        return self.num_layers * self.d_inner * (self.d_conv - 1 + self.d_state) * itemsize
+
+    def kv_bytes_per_token(self, itemsize: int = 4) -> int:
+        return 0
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        d, di, ds, r = self.hidden_size, self.d_inner, self.d_state, self.dt_rank
+        out = {"embed": (self.vocab_size, d), "norm": (d,)}
+        for i in range(self.num_layers):
+            p = f"layers.{i}."
+            out |= {p + "norm": (d,), p + "in_proj": (2 * di, d), p + "conv_w": (di, self.d_conv),
+                    p + "conv_b": (di,), p + "x_proj": (r + 2 * ds, di), p + "dt_proj": (di, r),
+                    p + "dt_bias": (di,), p + "A": (di, ds), p + "D": (di,), p + "out_proj": (d, di)}
+        if not self.tie_embeddings:
+            out["lm_head"] = (self.vocab_size, d)
+        return out
+
+    def weight_count(self) -> int:
+        return sum(int(np.prod(s)) for s in self.shapes().values())
+
+    def flops_per_token(self) -> int:
+        d, di, ds, r = self.hidden_size, self.d_inner, self.d_state, self.dt_rank
+        per_layer = 2 * di * d + (r + 2 * ds) * di + di * r + d * di
+        return 2 * (self.num_layers * per_layer + self.vocab_size * d)
+
+
+# ---- the step -------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class PreparedMamba:
+    embed: object
+    layers: list[dict]
+    norm: object
+    lm_head: object
+    conv: object  # (layers, rows, d_conv - 1, d_inner): each row's last inputs to the convolution
+    ssm: object  # (layers, rows, d_inner, d_state)
+
+
+def prepare_mamba(config: MambaConfig, weights: dict[str, np.ndarray], rows: int, xp=np) -> PreparedMamba:
+    def dev(a: np.ndarray):
+        return xp.asarray(np.ascontiguousarray(a, dtype=np.float32))
+
+    names = ("norm", "in_proj", "conv_w", "conv_b", "x_proj", "dt_proj", "dt_bias", "A", "D", "out_proj")
+    layers = [{n: dev(weights[f"layers.{i}.{n}"]) for n in names} for i in range(config.num_layers)]
+    head = weights.get("lm_head", weights["embed"])
+    conv = xp.zeros((config.num_layers, rows, config.d_conv - 1, config.d_inner), dtype=xp.float32)
+    ssm = xp.zeros((config.num_layers, rows, config.d_inner, config.d_state), dtype=xp.float32)
+    return PreparedMamba(dev(weights["embed"]), layers, dev(weights["norm"]), dev(head), conv, ssm)
+
+
+def rms_norm(xp, x, weight, eps: float):
+    return x / xp.sqrt((x * x).mean(axis=-1, keepdims=True) + eps) * weight
+
+
+def linear(xp, x, w):
+    return (w @ x.T).T
+
+
+def silu(xp, x):
+    return x / (1.0 + xp.exp(-x))
+
+
+def forward(xp, config: MambaConfig, model: PreparedMamba, batch: list[RowWork], reset_fresh_rows: bool = True):
+    """Runs one step over each row's state slot; returns logits (sum of num_logits, vocab)."""
+    rows = np.array([w.row for w in batch], dtype=np.int64)
+    lengths = np.array([len(w.tokens) for w in batch], dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    fresh = rows[[w.start == 0 for w in batch]]
+    if reset_fresh_rows and len(fresh):  # a sequence that opens a row starts from zero state
+        model.conv[:, fresh] = 0
+        model.ssm[:, fresh] = 0
+    tokens = xp.asarray(np.concatenate([w.tokens for w in batch]).astype(np.int64))
+    x = model.embed[tokens]
+    di, ds, r = config.d_inner, config.d_state, config.dt_rank
+    for i, layer in enumerate(model.layers):
+        h = rms_norm(xp, x, layer["norm"], config.rms_eps)
+        xz = linear(xp, h, layer["in_proj"])
+        xs = silu(xp, _conv(xp, xz[:, :di], layer, model.conv[i], rows, offsets, lengths))
+        dbc = linear(xp, xs, layer["x_proj"])
+        dt = xp.logaddexp(0.0, linear(xp, dbc[:, :r], layer["dt_proj"]) + layer["dt_bias"])  # softplus
+        b, c = dbc[:, r : r + ds], dbc[:, r + ds :]
+        states = _scan(xp, xp.exp(dt[:, :, None] * layer["A"]), (dt * xs)[:, :, None] * b[:, None, :],
+                       model.ssm[i], rows, offsets, lengths)
+        y = xp.matmul(states, c[:, :, None])[:, :, 0] + xs * layer["D"]
+        x = x + linear(xp, y * silu(xp, xz[:, di:]), layer["out_proj"])
+    logit_idx = np.concatenate([np.arange(o + n - w.num_logits, o + n)
+                                for w, o, n in zip(batch, offsets, lengths, strict=True)]).astype(np.int64)
+    h = rms_norm(xp, x[xp.asarray(logit_idx)], model.norm, config.rms_eps)
+    return linear(xp, h, model.lm_head).astype(xp.float32)
+
+
+def _conv(xp, xs, layer, conv_state, rows, offsets, lengths):
+    """Depthwise causal convolution of each row's tokens, continuing from (and updating) the
+    row's last d_conv - 1 inputs."""
+    w, k = layer["conv_w"], layer["conv_w"].shape[1]
+    out = xp.empty_like(xs)
+    for row, o, n in zip(rows.tolist(), offsets.tolist(), lengths.tolist(), strict=True):
+        window = xp.concatenate([conv_state[row], xs[o : o + n]])  # (k - 1 + n, d_inner)
+        acc = layer["conv_b"] + window[0:n] * w[:, 0]
+        for j in range(1, k):
+            acc = acc + window[j : j + n] * w[:, j]
+        out[o : o + n] = acc
+        conv_state[row] = window[n:]
+    return out
+
+
+def _scan(xp, decay, inflow, ssm_state, rows, offsets, lengths):
+    """h_t = decay_t * h_(t-1) + inflow_t for each row, from (and updating) its state slot;
+    returns every h_t, (tokens, d_inner, d_state). All rows advance together, one position
+    per iteration, so decode rows cost one iteration in all."""
+    states = xp.empty_like(inflow)
+    for t in range(int(lengths.max())):
+        live = lengths > t
+        idx, slot = offsets[live] + t, rows[live]
+        h = ssm_state[slot] * decay[idx] + inflow[idx]
+        ssm_state[slot] = h
+        states[idx] = h
+    return states
+
+
+# ---- loading from GGUF ------------------------------------------------------------------------
+
+_LAYER_TENSORS = {  # llama.cpp's name -> canonical name
+    "attn_norm.weight": "norm", "ssm_in.weight": "in_proj", "ssm_conv1d.weight": "conv_w",
+    "ssm_conv1d.bias": "conv_b", "ssm_x.weight": "x_proj", "ssm_dt.weight": "dt_proj",
+    "ssm_dt.bias": "dt_bias", "ssm_a": "A", "ssm_d": "D", "ssm_out.weight": "out_proj",
+}
+_GLOBAL_TENSORS = {"token_embd.weight": "embed", "output_norm.weight": "norm", "output.weight": "lm_head"}
+
+
+def load_mamba_gguf(reader_or_path, tokenizer=None) -> LoadedModel:
+    """Loads a Mamba-1 GGUF (general.architecture "mamba") from a path or an open
+    gguf.GGUFReader. The tokenizer comes from the file's tokenizer.ggml.* metadata; a file
+    without one and with a 258-token vocabulary gets poot's byte tokenizer (synthetic models)."""
+    from .gguf_loader import _metadata, _one_line, _open_reader, _scalar, _vocab, dequantize_tensor
+
+    if isinstance(reader_or_path, str | os.PathLike):
+        path = Path(reader_or_path)
+        reader = _open_reader(path)
+    else:
+        reader, path = reader_or_path, Path(str(getattr(reader_or_path, "path", "model.gguf")))
+    meta = _metadata(reader)
+    if meta.get("general.architecture") != "mamba":
+        raise ModelLoadError(f"not a mamba model: architecture {meta.get('general.architecture')!r}")
+    if meta.get("mamba.ssm.dt_b_c_rms"):
+        raise ModelLoadError("RMS-normed dt/B/C (Falcon-Mamba) is not supported")
+    tensors = {t.name: t for t in reader.tensors}
+    if "token_embd.weight" not in tensors:
+        raise ModelLoadError("missing tensor token_embd.weight")
+
+    def num(key: str, default=None) -> int:
+        return int(_scalar(meta, "mamba." + key, default, required=default is None))
+
+    hidden = num("embedding_length")
+    config = MambaConfig(
+        vocab_size=int(tensors["token_embd.weight"].shape[-1]), hidden_size=hidden,
+        num_layers=num("block_count"), d_inner=num("ssm.inner_size", 2 * hidden),
+        d_state=num("ssm.state_size"), d_conv=num("ssm.conv_kernel"), dt_rank=num("ssm.time_step_rank", 0),
+        rms_eps=float(f"{float(_scalar(meta, 'mamba.attention.layer_norm_rms_epsilon', 1e-5)):.7g}"),
+        max_positions=num("context_length", 2048), tie_embeddings="output.weight" not in tensors,
+    )
+    names = dict(_GLOBAL_TENSORS)
+    for i in range(config.num_layers):
+        names |= {f"blk.{i}.{g}": f"layers.{i}.{c}" for g, c in _LAYER_TENSORS.items()}
+    weights = {}
+    for name, t in tensors.items():
+        canon = names.get(name)
+        if canon is None:
+            raise ModelLoadError(f"unexpected tensor {name}: not part of the mamba model poot runs")
+        try:
+            weights[canon] = dequantize_tensor(t)
+        except Exception as e:
+            raise ModelLoadError(f"cannot dequantize tensor {name} ({t.tensor_type.name}): {_one_line(e)}") from None
+    gguf_name = {c: g for g, c in names.items()}
+    for canon, shape in config.shapes().items():
+        w = weights.get(canon)
+        if w is None:
+            raise ModelLoadError(f"missing tensor {gguf_name[canon]}")
+        if w.shape != shape and w.size == int(np.prod(shape)):  # e.g. a conv kernel kept as (d_inner, 1, d_conv)
+            weights[canon] = w = w.reshape(shape)
+        if w.shape != shape:
+            raise ModelLoadError(f"tensor {gguf_name[canon]} has shape {list(w.shape)}, expected {list(shape)}")
+
+    special: dict[str, str] = {}
+    if tokenizer is None:
+        if "tokenizer.ggml.model" in meta:
+            from .hf_tokenizer import tokenizer_from_gguf
+
+            tokenizer, special = tokenizer_from_gguf(_vocab(meta))
+        elif config.vocab_size == 258:
+            from .byte_tokenizer import ByteTokenizer
+
+            tokenizer = ByteTokenizer()
+        else:
+            raise ModelLoadError("the file has no tokenizer (tokenizer.ggml.model is missing)")
+    template = meta.get("tokenizer.chat_template")
+    return LoadedModel(
+        name=str(meta.get("general.name") or path.stem), config=config, weights=weights, tokenizer=tokenizer,
+        chat_template=template if isinstance(template, str) else None, special_tokens=special, source=str(path),
+    )

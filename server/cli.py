@@ -1,0 +1,122 @@
+"""`poot-serve`: starts the reference server.
+
+The server listens at once and loads the model on a background thread; /health answers 503
+"loading" until the engine is ready. SIGTERM or SIGINT starts a drain: /health answers 503
+"draining", new generation requests get 503, requests in flight run to their end, and then
+the process exits 0. A second signal stops waiting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+import signal
+import sys
+
+import uvicorn
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from poot.engine.drivers import BACKENDS
+
+    p = argparse.ArgumentParser(
+        prog="poot-serve", allow_abbrev=False,
+        description="OpenAI-compatible server over the poot engine (one scheduling loop, paged KV).")
+    p.add_argument("--model", default=None,
+                   help='model to serve: a file or folder, "synthetic" or "synthetic:SEED" for the tiny '
+                        "generated model; default: the SmolLM2 default model")
+    p.add_argument("--backend", default="auto", choices=BACKENDS, help="compute backend (default: auto)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    p.add_argument("--draft", default="none", choices=("none", "ngram"),
+                   help="speculative draft policy (default: none)")
+    p.add_argument("--fault-injection", action="store_true",
+                   help="enable POST /debug/fault to make the engine refuse a step, fault or panic (tests only)")
+    p.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="log level (default: info)")
+    # Test-only, hidden: deliberate defects for the conformance suite's proof that checks can fail.
+    p.add_argument("--mutation", action="append", default=[], help=argparse.SUPPRESS)
+    # Test-only, hidden: sleep this many seconds before each driver step, so that steps of the
+    # tiny synthetic model last long enough to be watched (cancellation, draining, faults).
+    p.add_argument("--step-delay", type=float, default=0.0, help=argparse.SUPPRESS)
+    return p
+
+
+def fail(message: str, code: int = 2) -> int:
+    print(f"poot-serve: error: {message}", file=sys.stderr, flush=True)
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+
+    from poot.engine.models.base import ModelLoadError
+
+    from . import loading, mutations
+
+    if unknown and "accept_unknown_options" not in args.mutation:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")  # exits 2, before anything loads
+    try:
+        engine_mutations, server_mutations = mutations.split(args.mutation)
+    except ValueError as e:
+        return fail(str(e))
+    if args.step_delay < 0:
+        return fail("--step-delay must not be negative")
+    if args.draft != "none" and importlib.util.find_spec("poot.engine.speculative") is None:
+        return fail(f"--draft {args.draft}: speculative decoding is not in this build "
+                    "(the module poot.engine.speculative is missing)")
+    try:
+        loading.precheck(args.model)
+    except ModelLoadError as e:
+        return fail(f"cannot load the model: {e}", 1)
+
+    level = "DEBUG" if args.log_level == "trace" else args.log_level.upper()
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    from .app import ServerState, build_app
+
+    state = ServerState(model_spec=args.model, backend=args.backend,
+                        draft=None if args.draft == "none" else args.draft,
+                        engine_mutations=engine_mutations, mutations=server_mutations,
+                        fault_injection=args.fault_injection, step_delay=args.step_delay)
+    if server_mutations or engine_mutations:
+        logging.getLogger("poot.server").warning("MUTATIONS ON (deliberate defects): %s",
+                                                 ", ".join(sorted(engine_mutations | server_mutations)))
+    config = uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level=args.log_level,
+                            lifespan="on", timeout_graceful_shutdown=5)
+    server = DrainingServer(config, state)
+    state.request_exit = server.exit_now
+    server.run()
+    return state.exit_code
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn.Server whose first SIGTERM/SIGINT drains instead of closing the socket at once."""
+
+    def __init__(self, config, state):
+        super().__init__(config)
+        self.state = state
+
+    def exit_now(self) -> None:
+        self.should_exit = True
+
+    def handle_exit(self, sig, frame) -> None:
+        # Not recorded in _captured_signals: uvicorn would re-raise it after shutdown and the
+        # process would die of the signal instead of exiting 0.
+        log = logging.getLogger("poot.server")
+        state = self.state
+        if state.draining or state.engine is None:
+            if state.draining:
+                log.warning("second %s: stopping without waiting", signal.Signals(sig).name)
+                self.force_exit = True
+            self.should_exit = True
+            return
+        state.draining = True
+        log.info("%s: draining %d request(s) in flight", signal.Signals(sig).name, state.engine.in_flight())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

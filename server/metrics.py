@@ -1,0 +1,63 @@
+"""GET /metrics: a Prometheus collector that reads `engine.metrics()` at each scrape."""
+
+from __future__ import annotations
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector, CollectorRegistry
+
+# name in engine.metrics() -> HELP text. Counters are exported with the _total suffix.
+COUNTERS = {
+    "engine_steps": "Driver steps taken by the engine loop.",
+    "prompt_tokens": "Prompt tokens of accepted requests.",
+    "generation_tokens": "Tokens committed to request outputs.",
+    "prefix_cache_queried_tokens": "Prompt tokens looked up in the prefix cache.",
+    "prefix_cache_hit_tokens": "Prompt tokens served from the prefix cache.",
+    "spec_drafted_tokens": "Speculative draft tokens proposed.",
+    "spec_accepted_tokens": "Speculative draft tokens accepted.",
+}
+GAUGES = {
+    "engine_compiles": "Prepared driver entries built so far; constant after the first request.",
+    "engine_requests_waiting": "Requests accepted but not yet holding a row.",
+    "engine_requests_running": "Requests holding a row.",
+    "engine_rows": "Rows in the engine plan.",
+    "kv_blocks_total": "KV blocks in the engine plan.",
+    "kv_blocks_reserved": "KV blocks reserved by open requests (prompt plus the whole max_tokens).",
+    "kv_blocks_in_use": "KV blocks holding KV written for running requests (a subset of reserved).",
+    "kv_blocks_cached": "KV blocks held by no request that still hold a registered prefix (evictable).",
+    "prefix_registered_tokens": "Prompt tokens registered in the prefix cache so far.",
+    "prefix_skipped_releases": "Releases that registered nothing (recurrent-state models).",
+    "prefix_cache_hit_rate": "Prompt tokens served from the prefix cache / prompt tokens looked up.",
+}
+FINISHED = ("requests_finished", "Finished requests by reason: stop, length, cancelled, error.")
+
+
+class EngineCollector(Collector):
+    def __init__(self, state):
+        self.state = state
+
+    def collect(self):
+        engine = self.state.engine
+        if engine is None:  # still loading: nothing to report yet
+            return
+        m = engine.metrics()
+        skip = {"engine_steps"} if "no_metrics_steps" in self.state.mutations else set()
+        for name, help_text in COUNTERS.items():
+            if name in m and name not in skip:
+                yield CounterMetricFamily(name, help_text, value=m[name])
+        for name, help_text in GAUGES.items():
+            if name in m:
+                yield GaugeMetricFamily(name, help_text, value=m[name])
+        finished = CounterMetricFamily(FINISHED[0], FINISHED[1], labels=["reason"])
+        for reason, count in sorted(m.get(FINISHED[0], {}).items()):
+            finished.add_metric([reason], count)
+        yield finished
+        known = set(COUNTERS) | set(GAUGES) | {FINISHED[0]}
+        for name, value in sorted(m.items()):  # anything the engine adds later still shows up
+            if name not in known and isinstance(value, int | float) and not isinstance(value, bool):
+                yield GaugeMetricFamily(name, f"Engine metric {name}.", value=value)
+
+
+def make_registry(state) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(EngineCollector(state))
+    return registry

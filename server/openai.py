@@ -1,0 +1,250 @@
+"""OpenAI request parsing and response shapes for /v1/completions and /v1/chat/completions.
+
+Parsing never touches the engine: a bad request becomes an ApiError (a 4xx) before anything
+is submitted. SamplingParams.validate does the range and type checks of the sampling fields.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+
+from poot.engine import InvalidRequest, SamplingParams
+
+MAX_BODY_BYTES = 1 << 20  # 1 MiB
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+class ApiError(Exception):
+    """An error answered as {"error": {message, type, param, code}} with an HTTP status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type_: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type_ or ("invalid_request_error" if status < 500 else
+                              "service_unavailable" if status == 503 else "server_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param, code)
+
+
+@dataclass(slots=True)
+class Parsed:
+    chat: bool
+    prompt: str | list[int]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+
+
+def parse_body(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad(f"the request body is not valid JSON: {e}", None, "invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad(f"the request body must be a JSON object, not {type(body).__name__}", None, "invalid_json")
+    return body
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _bool(body: dict, name: str, default: bool = False) -> bool:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise bad(f"{name} must be a boolean", name)
+    return v
+
+
+def _common(body: dict, *, chat: bool, default_max_tokens: int | None, models: tuple[str, ...]) -> dict:
+    model = body.get("model")
+    if model is not None:
+        if not isinstance(model, str):
+            raise bad("model must be a string", "model")
+        if model not in models:
+            raise ApiError(404, f"the model {model!r} does not exist; this server serves {models[0]!r}",
+                           "model", "model_not_found")
+    for name in ("n", "best_of"):
+        v = body.get(name)
+        if v is not None and (not _is_int(v) or v != 1):
+            raise bad(f"{name} must be 1: this server returns one choice per request", name)
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = body.get(name)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int | float) or v != 0):
+            raise bad(f"{name} is not supported (only 0)", name)
+    if body.get("logit_bias"):
+        raise bad("logit_bias is not supported", "logit_bias")
+    # The engine reports no token log-probabilities yet: asking for them is refused, not ignored.
+    if body.get("logprobs") not in (None, 0, False):
+        raise bad("logprobs are not supported by this server", "logprobs")
+    if chat and body.get("top_logprobs") not in (None, 0):
+        raise bad("top_logprobs is not supported by this server", "top_logprobs")
+    stream = _bool(body, "stream")
+    opts = body.get("stream_options")
+    include_usage = False
+    if opts is not None:
+        if not isinstance(opts, dict):
+            raise bad("stream_options must be an object", "stream_options")
+        include_usage = _bool(opts, "include_usage")
+        if "include_usage" in opts and not isinstance(opts["include_usage"], bool):
+            raise bad("stream_options.include_usage must be a boolean", "stream_options")
+    max_tokens = body.get("max_tokens")
+    if chat and max_tokens is None:
+        max_tokens = body.get("max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = default_max_tokens
+    stop = body.get("stop")
+    if stop is None:
+        stop = ()
+    elif isinstance(stop, str):
+        stop = (stop,)
+    elif isinstance(stop, list):
+        stop = tuple(stop)
+    else:
+        raise bad("stop must be a string or a list of strings", "stop")
+    top_k = body.get("top_k", 0)
+    if top_k is None or (_is_int(top_k) and top_k == -1):  # -1: "no cut" in other servers' dialect
+        top_k = 0
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if body.get("temperature") is None else body["temperature"],
+        top_p=1.0 if body.get("top_p") is None else body["top_p"],
+        top_k=top_k,
+        seed=body.get("seed"),
+        stop=stop,
+        ignore_eos=_bool(body, "ignore_eos"),
+    )
+    try:
+        params.validate()
+    except InvalidRequest as e:
+        raise bad(str(e), e.param) from None
+    return {"params": params, "stream": stream, "include_usage": include_usage}
+
+
+def parse_completion(body: dict, models: tuple[str, ...]) -> Parsed:
+    if "prompt" not in body or body["prompt"] is None:
+        raise bad("prompt is required", "prompt")
+    prompt = body["prompt"]
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, list):
+        if not all(_is_int(t) for t in prompt):
+            raise bad("prompt must be a string or a list of token ids (integers); batches are not supported",
+                      "prompt")
+    elif not isinstance(prompt, str):
+        raise bad("prompt must be a string or a list of token ids", "prompt")
+    if not prompt:
+        raise bad("the prompt is empty", "prompt")
+    if body.get("echo"):
+        raise bad("echo is not supported", "echo")
+    if body.get("suffix"):
+        raise bad("suffix is not supported", "suffix")
+    common = _common(body, chat=False, default_max_tokens=16, models=models)
+    return Parsed(False, prompt, **common)
+
+
+def parse_messages(body: dict) -> list[dict]:
+    messages = body.get("messages")
+    if messages is None:
+        raise bad("messages is required", "messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad("messages must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise bad(f"messages[{i}] must be an object", "messages")
+        role = m.get("role")
+        if role not in CHAT_ROLES:
+            raise bad(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}; got {role!r}", "messages")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: only text is understood
+            texts = []
+            for part in content:
+                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                    raise bad(f"messages[{i}].content parts must be text parts", "messages")
+                texts.append(part["text"])
+            content = "".join(texts)
+        if not isinstance(content, str):
+            raise bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
+        out.append({"role": role, "content": content})
+    return out
+
+
+def parse_chat(body: dict, models: tuple[str, ...], prompt: str, default_max_tokens: int) -> Parsed:
+    common = _common(body, chat=True, default_max_tokens=default_max_tokens, models=models)
+    return Parsed(True, prompt, **common)
+
+
+# ---- responses ----------------------------------------------------------------------------
+
+def new_id(chat: bool) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def full_response(p: Parsed, rid: str, model: str, text: str, finish_reason: str, use: dict) -> dict:
+    created = int(time.time())
+    if p.chat:
+        return {"id": rid, "object": "chat.completion", "created": created, "model": model,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                             "logprobs": None, "finish_reason": finish_reason}],
+                "usage": use}
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+            "usage": use}
+
+
+class ChunkMaker:
+    """Builds the SSE events of one stream; every chunk shares one id and created time."""
+
+    def __init__(self, p: Parsed, rid: str, model: str):
+        self.p, self.rid, self.model = p, rid, model
+        self.created = int(time.time())
+
+    def _chunk(self, choices: list, usage_value=None, with_usage: bool = False) -> str:
+        obj = {"id": self.rid, "object": "chat.completion.chunk" if self.p.chat else "text_completion",
+               "created": self.created, "model": self.model, "choices": choices}
+        if self.p.include_usage or with_usage:
+            obj["usage"] = usage_value
+        return sse(obj)
+
+    def role(self) -> str:
+        return self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
+                             "logprobs": None, "finish_reason": None}])
+
+    def text(self, text: str, finish_reason: str | None = None) -> str:
+        if self.p.chat:
+            delta = {"content": text} if text else {}
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        return self._chunk([choice])
+
+    def usage(self, use: dict) -> str:
+        return self._chunk([], use, with_usage=True)
+
+
+def sse(obj) -> str:
+    return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
+
+
+DONE = "data: [DONE]\n\n"

@@ -1,0 +1,67 @@
+"""The spec files: format, the seed mapping, and the mutation table."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from poot.conformance.clauses import PROFILES, SpecError, load_sources, load_spec, matches
+from poot.conformance.mutations import MUTATIONS
+
+README = Path(__file__).resolve().parents[2] / "conformance" / "README.md"
+
+
+def test_every_clause_has_an_id_a_level_and_a_profile():
+    spec = load_spec()
+    assert len(spec) >= 50
+    for clause in spec:
+        assert clause.level in clause.requirement
+        assert clause.profile in PROFILES
+        assert clause.observe
+
+
+def test_every_seed_sentence_maps_to_existing_clauses():
+    spec = load_spec()
+    sources = load_sources()
+    assert "seed-000" in sources
+    for row in sources["seed-000"]:
+        assert row["clauses"], f"sentence maps to nothing: {row['said']}"
+        unknown = [c for c in row["clauses"] if c not in spec]
+        assert not unknown, f"unknown clause ids {unknown} for: {row['said']}"
+
+
+def test_should_clauses_need_strict():
+    spec = load_spec()
+    should = [c.id for c in spec if c.level == "SHOULD"]
+    assert should and not {c.id for c in spec.select()} & set(should)
+    assert set(should) <= {c.id for c in spec.select(strict=True)}
+
+
+def test_prefix_selection_follows_segments():
+    assert matches("api/sse/1", "api/sse")
+    assert matches("api/sse/1", "api/sse/1")
+    assert matches("api/sse/1", "api")
+    assert not matches("api/sse/1", "api/ss")
+    assert not matches("api/sse/12", "api/sse/1")
+
+
+def test_bad_spec_file_is_refused(tmp_path):
+    (tmp_path / "api.yaml").write_text(
+        "area: api\nclauses:\n  - {id: api/x/1, title: t, level: MUST, requirement: it should, observe: o, profile: core}\n")
+    with pytest.raises(SpecError, match="MUST"):
+        load_spec(tmp_path)
+
+
+def test_every_mutation_breaks_a_known_clause_within_its_scope():
+    spec = load_spec()
+    names = [m.name for m in MUTATIONS]
+    assert len(names) == len(set(names))
+    for m in MUTATIONS:
+        assert m.breaks in spec and all(c in spec for c in m.also), m.name
+        assert any(matches(m.breaks, p) for p in m.prefixes), m.name
+
+
+def test_readme_mutation_table_matches_the_list():
+    rows = re.findall(r"^\| `([a-z0-9_]+)` \| `([a-z0-9/-]+)` \|", README.read_text(), re.M)
+    assert rows == [(m.name, m.breaks) for m in MUTATIONS]
