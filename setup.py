@@ -16,4 +16,8 @@ for folder, name in FOLDERS.items():
     packages.append(name)
     packages += [f"{name}.{sub}" for sub in find_packages(folder)]
 
-setup(packages=packages, package_dir=package_dir)
+# The conformance suite and its spec travel as data: pytest collects them from the installed folder.
+package_data = {"poot.conformance": ["spec/*.yaml", "spec/sources/*.yaml", "suite/*.py", "suite/pytest.ini",
+                                     "README.md"]}
+
+setup(packages=packages, package_dir=package_dir, package_data=package_data)

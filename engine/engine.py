@@ -115,12 +115,12 @@ class Engine:
 
     def submit(self, prompt: str | list[int], params: SamplingParams,
                sink: Callable[[Event], None]) -> RequestHandle:
-        if self._health.status != "ok":
-            raise EngineDead(self._health.reason or "the engine is not serving")
         params.validate()
         handle = RequestHandle(next(self._ids), sink)
         job = _Job(handle, prompt, params)
-        with self._lock:
+        with self._lock:  # the same lock _die takes: a job is either failed by it or refused here
+            if self._health.status != "ok":
+                raise EngineDead(self._health.reason or "the engine is not serving")
             self._in_flight[handle.request_id] = job
         self._jobs.put(job)
         return handle
@@ -346,8 +346,8 @@ class Engine:
     def _die(self, cause: str, reason: str) -> None:
         """Fails every request in flight and stops serving. Blocks are not released: after a
         fault the device state they describe cannot be trusted."""
-        self._health = Health("dead", cause, reason)
         with self._lock:
+            self._health = Health("dead", cause, reason)
             pending = list(self._in_flight.values())
             self._in_flight.clear()
         for item in pending:

@@ -32,6 +32,8 @@ def test_refused_step_fails_only_its_requests(client: Client, probes: Probes, id
     fillers = fill_rows(client, probes, rows, [plan["positions"] - 40] * rows)
     waiter = None
     try:
+        # every row decoding (prefilled), so the next step holds all of them
+        Mux(fillers).run(until=lambda m: all(f.first_data is not None for f in fillers), timeout=30)
         waiter = RawStream.open(client, unique_text(16), **probes.long_params(12))
         client.wait_until(lambda s: s.get("engine_requests_waiting", 0) >= 1, 10, "one waiting request")
         client.fault("refuse")
