@@ -139,6 +139,15 @@ class Mux:
         return [i for _, i, kind in self.order if kind == "data" and i in indices]
 
 
+# Known answers: models whose greedy output for one prompt is known to end by itself (EOS)
+# before 48 tokens, as (prompt, params, completion tokens). Used only when the search below finds
+# no such prompt: a server that hides end-of-sequence altogether (keeps generating after it)
+# looks, from outside, like a model that never picks it, and for these models we know better.
+KNOWN_EOS: dict[str, tuple[str, dict, int]] = {
+    "synthetic-llama-0": ("goboyqpb sab", {"temperature": 0}, 34),  # the bundled synthetic model
+}
+
+
 @dataclass
 class Probes:
     """Facts about the target found once per session: what keeps a request running, EOS prompts."""
@@ -188,6 +197,9 @@ class Probes:
                 again = self.client.complete(prompt, max_tokens=48, **params)
                 if first["choices"][0]["text"] == again["choices"][0]["text"]:
                     return prompt, params
+        known = KNOWN_EOS.get(self.client.model)
+        if known is not None:  # the model is known to end here: the test then shows what the server did
+            return known[0], dict(known[1])
         raise NotSupported("no prompt among 96 tries made the model end by itself (end-of-sequence) "
                            "reproducibly within 48 tokens")
 

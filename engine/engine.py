@@ -26,8 +26,10 @@ from .drivers.base import DeviceFault, Driver, StepRefused
 from .events import Accepted, Event, Finished, Rejected, RequestHandle, Tokens
 from .params import InvalidRequest, SamplingParams
 from .plan import Plan, fit_plan
+from .prefix_cache import PrefixCache
 from .scheduler import Scheduled, Scheduler
-from .sequence import Sequence, Status
+from .sequence import Sequence
+from .speculative import make_draft_policy
 from .stops import StopChecker
 
 log = logging.getLogger("poot.engine")
@@ -54,8 +56,9 @@ class _Job:
 
 
 class Engine:
-    def __init__(self, model, driver: Driver, plan: Plan, draft_policy=None, prefix_cache=None,
+    def __init__(self, model, driver: Driver, plan: Plan, draft_policy=None,
                  mutations: frozenset[str] = frozenset()):
+        """`driver` must be prepared for `plan`; `Engine.create` does both."""
         self.model = model
         self.driver = driver
         self.plan = plan
@@ -63,8 +66,9 @@ class Engine:
             driver.draft_policy = draft_policy  # the driver owns its draft policy; the loop only asks it
         self.mutations = mutations
         self.pool = BlockPool(plan.num_blocks)
-        self.prefix_cache = prefix_cache
-        self.scheduler = Scheduler(plan, self.pool, prefix_cache, mutations)
+        # Every family gets a prefix cache; a recurrent one registers nothing, and says so.
+        self.prefix_cache = PrefixCache(self.pool, plan, model.name, mutations)
+        self.scheduler = Scheduler(plan, self.pool, self.prefix_cache, mutations)
         self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
         self._ids = itertools.count(1)
         self._in_flight: dict[int, Sequence | _Job] = {}
@@ -87,21 +91,11 @@ class Engine:
         driver.prepare(plan, model)
         draft_policy = None
         if draft and draft != "none":
-            from .speculative import make_draft_policy
-
+            if getattr(model.config, "recurrent", False):
+                # A rejected draft would already be folded into the row's recurrent state.
+                raise ValueError(f"speculative decoding needs a per-token KV cache; {model.name} keeps recurrent state")
             draft_policy = make_draft_policy(draft)
-        prefix_cache = None
-        try:
-            from .prefix_cache import PrefixCache
-        except ImportError:
-            PrefixCache = None
-        if PrefixCache is not None:  # a recurrent family gets one too: it registers nothing, and says so
-            prefix_cache = PrefixCache(BlockPool(plan.num_blocks), plan, model.name, mutations)
-        engine = cls(model, driver, plan, draft_policy, prefix_cache, mutations)
-        if prefix_cache is not None:
-            engine.pool = prefix_cache.pool
-            engine.scheduler.pool = prefix_cache.pool
-        return engine
+        return cls(model, driver, plan, draft_policy, mutations)
 
     @property
     def draft_policy(self):
@@ -153,8 +147,7 @@ class Engine:
             "engine_rows": self.plan.rows,
             "kv_blocks_total": self.plan.num_blocks,
             "kv_blocks_reserved": s.num_reserved_blocks,
-            "kv_blocks_in_use": sum(min(len(q.block_table), self.plan.blocks_for(q.num_computed))
-                                    for q in s.running),
+            "kv_blocks_in_use": len({b for q in s.running for b in q.block_table[: self.plan.blocks_for(q.num_computed)]}),
             "kv_blocks_cached": cache.num_cached_free() if cache else 0,
             "requests_finished": dict(self.finished_by_reason),
             "prompt_tokens": self.counters["prompt_tokens"],

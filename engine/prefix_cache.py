@@ -17,7 +17,9 @@ the state a later request needs. `release` says so by returning None.
 Mutations, deliberate defects the conformance suite uses to prove its checks can fail:
 - leak_block_on_cancel: a cancelled request does not return its last block;
 - register_recurrent_prefix: a recurrent family reports its prompt's blocks as registered;
-- no_prefix_reuse: lookups never hit.
+- no_prefix_reuse: lookups never hit;
+- no_prefix_registration: no release registers anything;
+- no_cancel_prefix: a cancelled request registers nothing.
 """
 
 from __future__ import annotations
@@ -91,9 +93,12 @@ class PrefixCache:
             if "register_recurrent_prefix" in self.mutations:
                 return filled * self.block_size
             return None
+        cancelled = seq.handle.cancelled.is_set()
+        if "no_prefix_registration" in self.mutations or ("no_cancel_prefix" in self.mutations and cancelled):
+            filled = 0
         registered = self._register(seq.prompt, seq.block_table[:filled])
         table = seq.block_table
-        if "leak_block_on_cancel" in self.mutations and seq.handle.cancelled.is_set() and table:
+        if "leak_block_on_cancel" in self.mutations and cancelled and table:
             table = table[:-1]
         # Last blocks first: a chain's tail holds the most tokens and is the least likely hit,
         # so it becomes the least recently used and is evicted first.

@@ -42,7 +42,7 @@ class Scheduler:
 
     @property
     def num_reserved_blocks(self) -> int:
-        return sum(len(s.block_table) for s in self.running)
+        return len({b for s in self.running for b in s.block_table})  # a shared prefix block counts once
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)

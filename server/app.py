@@ -111,7 +111,9 @@ class ServerState:
 
 
 def slowed(driver, delay: float):
-    """Test-only: the driver sleeps before each step, so steps are slow enough to watch."""
+    """Test-only (--step-delay): the driver sleeps before each step, so steps are slow enough to
+    watch. Only `step` is wrapped: the device the plan is fitted to is the driver's own, so
+    rows, positions and blocks are the same as without it."""
     step = driver.step
 
     def slow_step(batch):
@@ -372,9 +374,13 @@ def build_app(state: ServerState) -> Starlette:
 
 
 class EventStream(StreamingResponse):
-    """An SSE response that cancels its request however the response ends: a client that hangs
-    up (Starlette then cancels the stream, possibly before its generator ever ran), an error,
-    or the normal end (a no-op: the request is finished already)."""
+    """An SSE response that cancels its request however the response ends.
+
+    A task awaits `receive()` beside the sending, and the moment it sees `http.disconnect` it
+    cancels the engine request (before anything else is unwound), so a client that hangs up is
+    released at the engine's next iteration rather than whenever a send notices. An error or the
+    normal end cancels too (a no-op: the request is finished already). `on_close` None (the
+    ignore_disconnect_stream mutation) listens for nothing: the request runs to its end."""
 
     def __init__(self, events, on_close):
         super().__init__(events, media_type="text/event-stream",
@@ -382,11 +388,28 @@ class EventStream(StreamingResponse):
         self.on_close = on_close
 
     async def __call__(self, scope, receive, send):
+        if self.on_close is None:
+            with contextlib.suppress(OSError):  # sends after a hang-up are dropped; the stream runs on
+                await self.stream_response(send)
+            return
+
+        async def hang_up() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            self.on_close()  # at once: the engine releases the request at its next iteration
+
+        sending = asyncio.ensure_future(self.stream_response(send))
+        watching = asyncio.ensure_future(hang_up())
         try:
-            await super().__call__(scope, receive, send)
+            await asyncio.wait((sending, watching), return_when=asyncio.FIRST_COMPLETED)
         finally:
-            if self.on_close is not None:
-                self.on_close()
+            self.on_close()
+            for task in (sending, watching):
+                task.cancel()
+            await asyncio.gather(sending, watching, return_exceptions=True)
+        if sending.done() and not sending.cancelled() and isinstance(sending.exception(), Exception):
+            if not isinstance(sending.exception(), OSError):  # OSError: the client is gone
+                raise sending.exception()
 
 
 async def drain_watch(state: ServerState) -> None:

@@ -17,6 +17,12 @@ import sys
 import uvicorn
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+# The engine thread holds the GIL through each step's Python; the event loop, waking on a
+# socket event (a hang-up), waits for it up to the interpreter's switch interval (5 ms by
+# default) at every hop, several of which lie between a client's hang-up and the request's
+# cancellation. A short interval keeps that notice within about one engine step.
+SWITCH_INTERVAL_S = 0.0005
+MAX_STEP_DELAY_S = 1.0  # --step-delay (test-only) slows steps; it never changes the plan
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,7 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     # Test-only, hidden: deliberate defects for the conformance suite's proof that checks can fail.
     p.add_argument("--mutation", action="append", default=[], help=argparse.SUPPRESS)
     # Test-only, hidden: sleep this many seconds before each driver step, so that steps of the
-    # tiny synthetic model last long enough to be watched (cancellation, draining, faults).
+    # tiny synthetic model last long enough to be watched (cancellation, draining, faults). It
+    # wraps the driver's step and nothing else: rows, positions and blocks are still fitted by
+    # the plan from the device and the model alone.
     p.add_argument("--step-delay", type=float, default=0.0, help=argparse.SUPPRESS)
     return p
 
@@ -63,8 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         engine_mutations, server_mutations = mutations.split(args.mutation)
     except ValueError as e:
         return fail(str(e))
-    if args.step_delay < 0:
-        return fail("--step-delay must not be negative")
+    if not 0 <= args.step_delay <= MAX_STEP_DELAY_S:  # also refuses nan
+        return fail(f"--step-delay must be between 0 and {MAX_STEP_DELAY_S} seconds")
     if args.draft != "none" and importlib.util.find_spec("poot.engine.speculative") is None:
         return fail(f"--draft {args.draft}: speculative decoding is not in this build "
                     "(the module poot.engine.speculative is missing)")
@@ -73,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     except ModelLoadError as e:
         return fail(f"cannot load the model: {e}", 1)
 
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     level = "DEBUG" if args.log_level == "trace" else args.log_level.upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 

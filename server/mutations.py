@@ -39,6 +39,9 @@ def engine_mutations() -> frozenset[str]:
     return frozenset(MUTATIONS)
 
 
+ALL = frozenset(SERVER_MUTATIONS) | engine_mutations()  # every name this build accepts
+
+
 def split(names: list[str]) -> tuple[frozenset[str], frozenset[str]]:
     """Returns (engine mutations, server mutations); raises ValueError naming unknown ones."""
     engine = engine_mutations()

@@ -8,7 +8,7 @@ import string
 import pytest
 from poot.conformance.client import Client
 from poot.conformance.outcomes import NotSupported
-from poot.conformance.scenarios import Probes, unique_text
+from poot.conformance.scenarios import KNOWN_EOS, Probes, unique_text
 
 clause = pytest.mark.clause
 PRINTABLE = set(string.ascii_letters + string.digits + string.punctuation + " ")
@@ -20,6 +20,12 @@ def test_generation_ends_at_end_of_sequence(client: Client, probes: Probes):
     short = client.complete(prompt, max_tokens=48, **params)
     longer = client.complete(prompt, max_tokens=96, **params)
     n = short["usage"]["completion_tokens"]
+    known = KNOWN_EOS.get(client.model)
+    if known is not None and prompt == known[0]:
+        assert short["choices"][0]["finish_reason"] == "stop" and n == known[2], \
+            (f"no prompt ended by itself; {client.model} is known to end at end-of-sequence after {known[2]} "
+             f"tokens for {prompt!r}, but the answer ended {short['choices'][0]['finish_reason']!r} after {n}: "
+             "generation goes on past end-of-sequence")
     assert short["choices"][0]["finish_reason"] == "stop" and n < 48, f"probe no longer ends by itself: {short!r}"
     assert longer["choices"][0]["finish_reason"] == "stop", \
         f"with max_tokens 96 the answer ended {longer['choices'][0]['finish_reason']!r}, expected 'stop' at EOS"

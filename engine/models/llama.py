@@ -5,6 +5,20 @@ One call computes a mixed step: prefill chunks and decode tokens of many rows, e
 its own positions and attending only to its own valid keys (per-row length masks). Rows
 that are not in the step are not computed at all: the empty-row policy is exclusion, so no
 attention row is ever fully masked.
+
+Layout, chosen for throughput on a BLAS:
+- Weights: Q/K/V fused and gate/up fused, each RMSNorm weight folded into the columns of the
+  projection that follows it, and 1/sqrt(head_dim) folded into the Q rows. Products are
+  `W @ X.T`: the weight is the streamed operand (one pass over it per step, whatever the
+  rows) and no operand is transposed into a copy. The MLP runs feature-major (gate and up
+  are contiguous halves of one product).
+- KV: one array per layer, kv_cache_shape(): (2 [K, V], kv_heads, num_blocks, block_size,
+  head_dim). A row's context is gathered block-wise (block_size x head_dim floats per copy)
+  and lands as one contiguous (context, head_dim) matrix per kv head, so attention is two
+  batched products for all decode rows together (and two per prefill chunk), never a loop
+  over rows or blocks in Python.
+- Masks are additive float32 biases (0 or -inf) built once per step on the host and shared
+  by every layer; softmax is normalised after the value product (fewer divisions).
 """
 
 from __future__ import annotations
@@ -19,14 +33,19 @@ from .base import LlamaConfig
 
 @dataclass(slots=True)
 class PreparedLlama:
-    """Weights laid out for the step: fused projections, contiguous, on the device."""
+    """Weights laid out for the step: fused projections, norms folded, contiguous, on the device."""
 
     embed: object
     layers: list[dict]
-    norm: object
+    norm: object  # the final norm (not folded: the output head is tied to the embedding)
     lm_head: object
     cos: object  # (positions, head_dim) rotary tables
     sin: object
+
+
+def kv_cache_shape(config: LlamaConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
+    """One layer's paged KV cache: K and V, each kv head's blocks contiguous."""
+    return (2, config.num_kv_heads, num_blocks, block_size, config.head_dim)
 
 
 def rope_tables(config: LlamaConfig, positions: int, xp=np):
@@ -41,15 +60,20 @@ def prepare_llama(config: LlamaConfig, weights: dict[str, np.ndarray], positions
     def dev(a: np.ndarray):
         return xp.asarray(np.ascontiguousarray(a, dtype=np.float32))
 
+    def folded(w: np.ndarray, norm: np.ndarray) -> np.ndarray:
+        # W @ (x * norm) == (W * norm) @ x: the norm's weight multiplies the columns.
+        return np.asarray(w, dtype=np.float64) * np.asarray(norm, dtype=np.float64)[None, :]
+
+    scale = 1.0 / np.sqrt(config.head_dim)
     layers = []
     for i in range(config.num_layers):
         p = f"layers.{i}."
+        attn_norm, mlp_norm = weights[p + "attn_norm"], weights[p + "mlp_norm"]
+        wq = np.asarray(weights[p + "wq"], dtype=np.float64) * scale  # scores come out pre-scaled
         layers.append({
-            "attn_norm": dev(weights[p + "attn_norm"]),
-            "wqkv": dev(np.concatenate([weights[p + "wq"], weights[p + "wk"], weights[p + "wv"]])),
+            "wqkv": dev(folded(np.concatenate([wq, weights[p + "wk"], weights[p + "wv"]]), attn_norm)),
             "wo": dev(weights[p + "wo"]),
-            "mlp_norm": dev(weights[p + "mlp_norm"]),
-            "w_gate_up": dev(np.concatenate([weights[p + "w_gate"], weights[p + "w_up"]])),
+            "w_gate_up": dev(folded(np.concatenate([weights[p + "w_gate"], weights[p + "w_up"]]), mlp_norm)),
             "w_down": dev(weights[p + "w_down"]),
         })
     head = weights.get("lm_head", weights["embed"])
@@ -62,127 +86,158 @@ def linear(xp, x, w):
     return (w @ x.T).T
 
 
+def rms_scale(xp, x, eps: float):
+    """x / rms(x) over the last axis (the norm's weight is folded into the next product)."""
+    r = (x * x).sum(axis=-1, keepdims=True)
+    r *= 1.0 / x.shape[-1]
+    r += eps
+    xp.sqrt(r, out=r)
+    return x / r
+
+
 def rms_norm(xp, x, weight, eps: float):
-    var = (x * x).mean(axis=-1, keepdims=True)
-    return x / xp.sqrt(var + eps) * weight
+    return rms_scale(xp, x, eps) * weight
 
 
 def rotate(xp, x, cos, sin):
-    """x: (tokens, heads, head_dim) in the rotate_half layout; cos/sin: (tokens, head_dim)."""
+    """x: (tokens, heads, head_dim) in the rotate_half layout; cos/sin: (tokens, 1, head_dim)."""
     half = x.shape[-1] // 2
     rotated = xp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    out = x * cos
+    rotated *= sin
+    out += rotated
+    return out
 
 
-def softmax_masked(xp, scores, valid):
-    """Softmax over the last axis, counting only valid keys. Every query row here has at
-    least one valid key (its own position), so no row is all-masked."""
-    scores = xp.where(valid, scores, -xp.inf)
-    scores = scores - scores.max(axis=-1, keepdims=True)
-    weights = xp.exp(scores)
-    return weights / weights.sum(axis=-1, keepdims=True)
+def softmax_apply(xp, scores, values):
+    """softmax(scores) @ values over the last axis of scores, in place on scores. Masked keys
+    hold -inf; every query row has at least one valid key (its own position)."""
+    scores -= scores.max(axis=-1, keepdims=True)
+    xp.exp(scores, out=scores)
+    den = scores.sum(axis=-1, keepdims=True)
+    out = xp.matmul(scores, values)
+    out /= den
+    return out
 
 
 @dataclass(slots=True)
 class StepLayout:
-    """Host-side index arrays for one step, computed once and shared by every layer."""
+    """Host-side index arrays and masks for one step, computed once and shared by every layer."""
 
-    positions: np.ndarray  # (T,) position of each fed token
-    write_slots: np.ndarray  # (T,) flat KV slot each token's K/V goes to
+    positions: np.ndarray  # (T,) rotary position of each fed token
+    write_block: np.ndarray  # (T,) physical block each token's K/V goes to
+    write_offset: np.ndarray  # (T,) slot within that block
     decode_idx: np.ndarray  # (D,) token index of each single-token row
-    decode_ctx_slots: np.ndarray  # (D, Lmax) flat slots of each decode row's context
-    decode_valid: np.ndarray  # (D, Lmax) which of those are real keys (length mask)
-    prefills: list[tuple[int, int, np.ndarray, np.ndarray]]  # (first token, count, ctx slots, causal mask)
+    decode_blocks: np.ndarray  # (D, B) each decode row's blocks, padded with its first block
+    decode_valid: np.ndarray  # (D, B * block_size) which gathered keys are the row's own (length mask)
+    prefills: list[tuple[int, int, np.ndarray, np.ndarray]]  # (first token, count, blocks, causal bias)
     logit_idx: np.ndarray  # token indices whose logits are returned
+    all_decode: bool  # every fed token is a decode row's (no scatter needed)
+
+
+def _bias(valid: np.ndarray) -> np.ndarray:
+    return np.where(valid, np.float32(0), np.float32(-np.inf)).astype(np.float32)
 
 
 def step_layout(batch: list[RowWork], block_size: int, shared_position: bool = False) -> StepLayout:
-    positions, write_slots, logit_idx = [], [], []
+    positions, write_block, write_offset, logit_idx = [], [], [], []
     decode_rows, prefills = [], []
     offset = 0
     for work in batch:
         n = len(work.tokens)
         pos = np.arange(work.start, work.start + n)
-        table = np.asarray(work.block_table, dtype=np.int64)
-        slots = table[pos // block_size] * block_size + pos % block_size
-        positions.append(pos)
-        write_slots.append(slots)
         ctx = work.start + n
-        ctx_pos = np.arange(ctx)
-        ctx_slots = table[ctx_pos // block_size] * block_size + ctx_pos % block_size
+        table = np.asarray(work.block_table[: -(-ctx // block_size)], dtype=np.int64)
+        positions.append(pos)
+        write_block.append(table[pos // block_size])
+        write_offset.append(pos % block_size)
         if n == 1:
-            decode_rows.append((offset, ctx_slots))
+            decode_rows.append((offset, ctx, table))
         else:
-            causal = ctx_pos[None, :] <= pos[:, None]
-            prefills.append((offset, n, ctx_slots, causal))
+            keys = np.arange(len(table) * block_size)
+            prefills.append((offset, n, table, _bias(keys[None, :] <= pos[:, None])))
         logit_idx.extend(range(offset + n - work.num_logits, offset + n))
         offset += n
     positions = np.concatenate(positions)
     if shared_position:  # deliberately wrong: used by the mutation test that proves positions matter
         positions = np.full_like(positions, positions.max())
-    lmax = max((len(s) for _, s in decode_rows), default=0)
-    d_slots = np.zeros((len(decode_rows), lmax), dtype=np.int64)
-    d_valid = np.zeros((len(decode_rows), lmax), dtype=bool)
-    for i, (_, s) in enumerate(decode_rows):
-        d_slots[i, : len(s)] = s
-        d_valid[i, : len(s)] = True
-    return StepLayout(positions, np.concatenate(write_slots), np.array([o for o, _ in decode_rows], dtype=np.int64),
-                      d_slots, d_valid, prefills, np.array(logit_idx, dtype=np.int64))
+    width = max((len(t) for _, _, t in decode_rows), default=0)
+    d_blocks = np.empty((len(decode_rows), width), dtype=np.int64)
+    lengths = np.empty(len(decode_rows), dtype=np.int64)
+    for i, (_, ctx, t) in enumerate(decode_rows):
+        d_blocks[i, : len(t)] = t
+        d_blocks[i, len(t):] = t[0]  # padding: a block of the row's own, masked below
+        lengths[i] = ctx
+    d_valid = np.arange(width * block_size)[None, :] < lengths[:, None]
+    return StepLayout(positions, np.concatenate(write_block), np.concatenate(write_offset),
+                      np.array([o for o, _, _ in decode_rows], dtype=np.int64), d_blocks, d_valid, prefills,
+                      np.array(logit_idx, dtype=np.int64), len(decode_rows) == offset)
 
 
-def attention(xp, q, k_cache, v_cache, layout: StepLayout, groups: int, mask_lengths: bool = True):
-    """q: (T, heads, hd); caches: (slots, kv_heads, hd). Returns (T, heads, hd)."""
+def attention(xp, q, cache, decode, prefills, kv_heads: int):
+    """q: (T, heads, hd), pre-scaled; cache: one layer's kv_cache_shape() array.
+    decode: None or (token idx, blocks (D, B), bias (D, 1, B*bs), all_decode);
+    prefills: [(first, n, blocks (B,), causal bias (n, B*bs))]. Returns (T, heads * hd)."""
     t, heads, hd = q.shape
-    kvh = heads // groups
-    scale = 1.0 / np.sqrt(hd)
-    out = xp.empty_like(q)
-    if len(layout.decode_idx):
-        # All single-token rows in one batched product over their padded contexts.
-        d = len(layout.decode_idx)
-        qd = q[layout.decode_idx].reshape(d, kvh, groups, hd)
-        slots = xp.asarray(layout.decode_ctx_slots)
-        k = k_cache[slots]  # (D, Lmax, kvh, hd)
-        v = v_cache[slots]
-        scores = xp.matmul(qd, k.transpose(0, 2, 3, 1)) * scale  # (D, kvh, g, Lmax)
-        valid = xp.asarray(layout.decode_valid if mask_lengths else np.ones_like(layout.decode_valid))
-        w = softmax_masked(xp, scores, valid[:, None, None, :])
-        out[layout.decode_idx] = xp.matmul(w, v.transpose(0, 2, 1, 3)).reshape(d, heads, hd)
-    for first, n, ctx_slots, causal in layout.prefills:
-        qp = q[first : first + n].reshape(n, kvh, groups, hd).transpose(1, 2, 0, 3)  # (kvh, g, n, hd)
-        slots = xp.asarray(ctx_slots)
-        k = k_cache[slots].transpose(1, 2, 0)  # (kvh, hd, ctx)
-        v = v_cache[slots].transpose(1, 0, 2)  # (kvh, ctx, hd)
-        scores = xp.matmul(qp, k[:, None]) * scale  # (kvh, g, n, ctx)
-        w = softmax_masked(xp, scores, xp.asarray(causal)[None, None])
-        out[first : first + n] = xp.matmul(w, v[:, None]).transpose(2, 0, 1, 3).reshape(n, heads, hd)
+    groups = heads // kv_heads
+    out = None
+    if decode is not None:
+        idx, blocks, bias, all_decode = decode
+        d = blocks.shape[0]
+        kv = xp.take(cache, blocks, axis=2).reshape(2, kv_heads, d, -1, hd)  # (2, kvh, D, L, hd)
+        qd = (q if all_decode else q[idx]).reshape(d, kv_heads, groups, hd).transpose(1, 0, 2, 3)
+        scores = xp.matmul(qd, kv[0].swapaxes(-1, -2))  # (kvh, D, g, L)
+        scores += bias
+        od = softmax_apply(xp, scores, kv[1]).transpose(1, 0, 2, 3).reshape(d, heads * hd)
+        if all_decode:
+            return od
+        out = xp.empty((t, heads * hd), dtype=q.dtype)
+        out[idx] = od
+    if out is None:
+        out = xp.empty((t, heads * hd), dtype=q.dtype)
+    for first, n, blocks, bias in prefills:
+        kv = xp.take(cache, blocks, axis=2).reshape(2, kv_heads, -1, hd)  # (2, kvh, L, hd)
+        qp = q[first : first + n].reshape(n, kv_heads, groups, hd).transpose(1, 2, 0, 3).reshape(kv_heads, groups * n, hd)
+        scores = xp.matmul(qp, kv[0].swapaxes(-1, -2))  # (kvh, g * n, L)
+        scores.reshape(kv_heads, groups, n, -1)[...] += bias
+        o = softmax_apply(xp, scores, kv[1])  # (kvh, g * n, hd)
+        out[first : first + n] = o.reshape(kv_heads, groups, n, hd).transpose(2, 0, 1, 3).reshape(n, heads * hd)
     return out
 
 
-def forward(xp, config: LlamaConfig, model: PreparedLlama, kv: list[tuple[object, object]],
-            tokens, layout: StepLayout, mask_lengths: bool = True):
-    """Runs one step; writes each fed token's K/V into the paged caches; returns logits
-    (len(layout.logit_idx), vocab) as float32 on the device."""
+def forward(xp, config: LlamaConfig, model: PreparedLlama, kv: list, tokens, layout: StepLayout,
+            mask_lengths: bool = True):
+    """Runs one step; writes each fed token's K/V into the paged caches (one kv_cache_shape()
+    array per layer); returns logits (len(layout.logit_idx), vocab) as float32 on the device."""
     heads, kvh, hd = config.num_heads, config.num_kv_heads, config.head_dim
     q_size, kv_size = heads * hd, kvh * hd
-    x = model.embed[tokens]
-    pos = xp.asarray(layout.positions)
-    cos, sin = model.cos[pos], model.sin[pos]
-    write = xp.asarray(layout.write_slots)
+    inter = config.intermediate_size
+    eps = config.rms_eps
+    x = model.embed[xp.asarray(tokens)]
     t = x.shape[0]
-    for layer, (k_cache, v_cache) in zip(model.layers, kv, strict=True):
-        h = rms_norm(xp, x, layer["attn_norm"], config.rms_eps)
-        qkv = linear(xp, h, layer["wqkv"])
-        q = rotate(xp, qkv[:, :q_size].reshape(t, heads, hd), cos, sin)
-        k = rotate(xp, qkv[:, q_size : q_size + kv_size].reshape(t, kvh, hd), cos, sin)
-        k_cache[write] = k
-        v_cache[write] = qkv[:, q_size + kv_size :].reshape(t, kvh, hd)
-        a = attention(xp, q, k_cache, v_cache, layout, heads // kvh, mask_lengths)
-        x = x + linear(xp, a.reshape(t, q_size), layer["wo"])
-        h = rms_norm(xp, x, layer["mlp_norm"], config.rms_eps)
-        gate_up = linear(xp, h, layer["w_gate_up"])
-        inter = gate_up.shape[1] // 2
-        gate = gate_up[:, :inter]
-        act = gate / (1.0 + xp.exp(-gate)) * gate_up[:, inter:]
-        x = x + linear(xp, act, layer["w_down"])
-    h = rms_norm(xp, x[xp.asarray(layout.logit_idx)], model.norm, config.rms_eps)
-    return linear(xp, h, model.lm_head).astype(xp.float32)
+    pos = xp.asarray(layout.positions)
+    cos, sin = model.cos[pos][:, None, :], model.sin[pos][:, None, :]
+    blk, off = xp.asarray(layout.write_block), xp.asarray(layout.write_offset)
+    decode = None
+    if len(layout.decode_idx):
+        valid = layout.decode_valid if mask_lengths else np.ones_like(layout.decode_valid)
+        decode = (xp.asarray(layout.decode_idx), xp.asarray(layout.decode_blocks),
+                  xp.asarray(_bias(valid)[:, None, :]), layout.all_decode)
+    prefills = [(first, n, xp.asarray(blocks), xp.asarray(bias)) for first, n, blocks, bias in layout.prefills]
+    for layer, cache in zip(model.layers, kv, strict=True):
+        qkv = linear(xp, rms_scale(xp, x, eps), layer["wqkv"])  # (T, q + 2 kv)
+        qk = rotate(xp, qkv[:, : q_size + kv_size].reshape(t, heads + kvh, hd), cos, sin)
+        cache[0][:, blk, off] = qk[:, heads:].transpose(1, 0, 2)
+        cache[1][:, blk, off] = qkv[:, q_size + kv_size :].reshape(t, kvh, hd).transpose(1, 0, 2)
+        a = attention(xp, qk[:, :heads], cache, decode, prefills, kvh)
+        x = x + linear(xp, a, layer["wo"])
+        gate_up = layer["w_gate_up"] @ rms_scale(xp, x, eps).T  # (2 * inter, T): feature-major
+        gate = gate_up[:inter]
+        act = xp.negative(gate)
+        xp.exp(act, out=act)
+        act += 1.0
+        xp.divide(gate, act, out=act)  # silu(gate)
+        act *= gate_up[inter:]
+        x += (layer["w_down"] @ act).T
+    h = rms_norm(xp, x[xp.asarray(layout.logit_idx)], model.norm, eps)
+    return linear(xp, h, model.lm_head)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 
 from poot.engine import Engine, SamplingParams
-from poot.engine.blocks import BlockPool
 from poot.engine.drivers.numpy_driver import NumpyDriver
 from poot.engine.models.synthetic import synthetic_llama
 from poot.engine.plan import Plan
@@ -26,10 +25,7 @@ def planned_engine(num_blocks: int = 8, rows: int = 4, token_budget: int = 64, b
     plan = Plan("numpy", rows, positions, block_size, num_blocks, token_budget, model.name)
     driver = NumpyDriver(mutations=mutations)
     driver.prepare(plan, model)
-    cache = PrefixCache(BlockPool(num_blocks), plan, model.name, mutations)
-    engine = Engine(model, driver, plan, None, cache, mutations)
-    engine.pool = engine.scheduler.pool = cache.pool
-    return engine
+    return Engine(model, driver, plan, None, mutations)
 
 
 def tokens(n: int, salt: int = 0) -> list[int]:
@@ -134,6 +130,7 @@ def test_shared_blocks_are_reference_counted_not_copied():
     assert qa.block_table[:2] == qb.block_table[:2]
     assert all(engine.pool.ref_counts[i] == 2 for i in qa.block_table[:2])
     assert not set(qa.block_table[2:]) & set(qb.block_table[2:])
+    assert engine.metrics()["kv_blocks_reserved"] == len(set(qa.block_table) | set(qb.block_table))
     run_until_idle(engine)
     assert a.finished.cached_tokens == b.finished.cached_tokens == 2 * BS
     assert_pool_whole(engine)
@@ -236,3 +233,22 @@ def test_no_prefix_reuse_never_hits():
     rec = run(engine, tokens(3 * BS + 1))
     assert rec.finished.cached_tokens == 0
     assert engine.metrics()["prefix_cache_hit_rate"] == 0.0
+
+
+def test_no_prefix_registration_registers_nothing():
+    engine = make_engine(mutations=frozenset({"no_prefix_registration"}))
+    run(engine, tokens(3 * BS + 1))
+    assert engine.metrics()["prefix_registered_tokens"] == 0
+    assert run(engine, tokens(3 * BS + 1)).finished.cached_tokens == 0
+
+
+def test_no_cancel_prefix_registers_nothing_for_a_cancelled_request_only():
+    engine = planned_engine(num_blocks=16, token_budget=40, positions=256,
+                            mutations=frozenset({"no_cancel_prefix"}))
+    _, handle = submit(engine, tokens(6 * BS), greedy(4))
+    engine.iteration()
+    handle.cancel()
+    run_until_idle(engine)
+    assert engine.metrics()["prefix_registered_tokens"] == 0
+    run(engine, tokens(3 * BS, 1))
+    assert engine.metrics()["prefix_registered_tokens"] == 3 * BS

@@ -17,10 +17,7 @@ from poot.engine.models.synthetic import synthetic_llama
 from poot.engine.sampler import probabilities, sample
 from poot.engine.speculative import DraftPolicy, NgramPolicy, lookup, make_draft_policy
 
-from .harness import greedy, make_engine, run_until_idle, submit
-
-EOS = 256  # the byte tokenizer's end-of-sequence id
-
+from .harness import greedy, make_engine, submit
 
 # ---- helpers ----------------------------------------------------------------------------
 
@@ -307,7 +304,7 @@ def test_sampled_output_with_speculation_is_the_seeded_plain_output():
     reqs = [("{'{'{'{'{" * 2, SamplingParams(max_tokens=24, temperature=0.7, seed=s, ignore_eos=True))
             for s in range(12)]
     plain = [r.token_ids for r in run(engine_with(None), reqs)]
-    engine = engine_with(make_draft_policy("ngram", min_ngram=1))
+    engine = engine_with(make_draft_policy("ngram", min_ngram=1, full_rows=64))
     assert [r.token_ids for r in run(engine, reqs)] == plain
     assert engine.metrics()["spec_accepted_tokens"] > 0
 

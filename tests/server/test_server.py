@@ -325,11 +325,23 @@ def test_sigterm_drains_in_flight_requests_then_exits_0():
     (["--mutation", "no_such_defect"], "no_such_defect"),
     (["--model", "synthetic:abc"], "synthetic:abc"),
     (["--model", "/no/such/model.gguf"], "/no/such/model.gguf"),
+    (["--step-delay", "nan"], "--step-delay"),
+    (["--step-delay", "-1"], "--step-delay"),
+    (["--step-delay", "5"], "--step-delay"),
 ])
 def test_bad_startup_fails_at_once(args, needle):
     r = run_cli(*args, "--port", "1")
     assert r.returncode != 0
     assert needle in r.stderr
+
+
+def test_test_only_options_are_hidden_and_leave_the_plan_alone(srv, slow):
+    r = run_cli("--help")
+    assert r.returncode == 0 and "--model" in r.stdout
+    assert "--step-delay" not in r.stdout and "--mutation" not in r.stdout
+    # The slowed server fits the very same plan as the plain one: the option changes timing only.
+    plain, slowed = (s.client.get("/health").json()["plan"] for s in (srv, slow))
+    assert slowed == plain
 
 
 def test_loading_state_is_reported():
