@@ -63,7 +63,7 @@ class NgramPolicy(DraftPolicy):
       arithmetic rather than by reading the weights, so a draft costs about as much as the
       token it may save; there a row drafts at most `full_drafts` tokens, and only on a
       match of at least `full_min_ngram` tokens (0 drafts: plain decoding at full rows).
-    Measurements: tests/engine/bench_speculative.py.
+    Measurements: benchmarks/bench_speculative.py.
     """
 
     name = "ngram"

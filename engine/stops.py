@@ -50,11 +50,13 @@ class StopChecker:
         return min(found) if found else None
 
     def _held_back(self) -> int:
-        text = self.text
-        hold = len(text) - len(text.rstrip("\ufffd"))
+        # An incomplete character may still complete a stop string begun before it, so the
+        # stop-prefix test runs on the text before it and both parts are held.
+        complete = self.text.rstrip("\ufffd")
+        partial = 0
         for stop in self.stops:
-            for n in range(min(len(stop) - 1, len(text)), 0, -1):
-                if text.endswith(stop[:n]):
-                    hold = max(hold, n)
+            for n in range(min(len(stop) - 1, len(complete)), 0, -1):
+                if complete.endswith(stop[:n]):
+                    partial = max(partial, n)
                     break
-        return hold
+        return len(self.text) - len(complete) + partial

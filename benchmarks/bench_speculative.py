@@ -5,9 +5,9 @@ Two workloads, greedy, through the Engine loop on the NumPy driver:
 - free:  open-ended prompts whose answers never quote them.
 Each at one row and at the plan's full rows; ratios are measured within one run.
 
-    python tests/engine/bench_speculative.py                 # SmolLM2 (load_model(None))
-    python tests/engine/bench_speculative.py --model synthetic
-    python tests/engine/bench_speculative.py --rows 1 --max-tokens 64 --json out.json
+    python benchmarks/bench_speculative.py                 # SmolLM2 (load_model(None))
+    python benchmarks/bench_speculative.py --model synthetic
+    python benchmarks/bench_speculative.py --rows 1 --max-tokens 64 --json out.json
 """
 
 from __future__ import annotations

@@ -6,10 +6,10 @@ a fresh system prompt (cold), then the same system prompt with another question 
 TTFT is the time from submit to the first Tokens event, driving the loop by hand: CPU time of
 the loop's thread (steady on a shared machine) and wall time beside it.
 
-    python tests/engine/bench_prefix.py                      # synthetic, then SmolLM2 if it loads
-    python tests/engine/bench_prefix.py --model synthetic
-    python tests/engine/bench_prefix.py --model default      # SmolLM2 (load_model(None)) only
-    python tests/engine/bench_prefix.py --repeats 5 --json out.json
+    python benchmarks/bench_prefix.py                      # synthetic, then SmolLM2 if it loads
+    python benchmarks/bench_prefix.py --model synthetic
+    python benchmarks/bench_prefix.py --model default      # SmolLM2 (load_model(None)) only
+    python benchmarks/bench_prefix.py --repeats 5 --json out.json
 """
 
 from __future__ import annotations
