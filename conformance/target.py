@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 
 BUNDLED_MODEL = "synthetic"
-BUNDLED_RECURRENT_MODEL = "synthetic-recurrent"
+BUNDLED_RECURRENT_MODEL = "synthetic-mamba"  # engine.models: a tiny seeded Mamba (recurrent state)
 
 
 class ServerStartError(RuntimeError):

@@ -23,6 +23,7 @@ import time
 from dataclasses import replace
 
 import httpx
+
 from poot.loadtests import convoy as convoy_mod
 from poot.loadtests import report, scrape, stats
 from poot.loadtests.server_proc import BundledServer

@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 
 import httpx
+
 from poot.loadtests.sse import StreamRecorder
 from poot.loadtests.stats import describe, gaps, percentile
 from poot.loadtests.workloads import Lengths, LoadConfig, RequestSpec, build, request_body

@@ -37,6 +37,7 @@ import gevent
 from locust import HttpUser, events, task
 from locust.exception import StopUser
 from locust.runners import MasterRunner, WorkerRunner
+
 from poot.loadtests.sse import StreamRecorder
 from poot.loadtests.stats import request_metrics
 from poot.loadtests.workloads import LoadConfig, build, request_body

@@ -16,14 +16,15 @@ import sys
 import threading
 import time
 
-from poot.engine import EngineDead, InvalidRequest
-from poot.engine.events import Accepted, Finished, Rejected, Tokens
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+
+from poot.engine import EngineDead, InvalidRequest
+from poot.engine.events import Accepted, Finished, Rejected, Tokens
 
 from . import loading, openai
 from .metrics import make_registry

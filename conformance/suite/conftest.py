@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import pytest
+
 from poot.conformance.client import Client
 from poot.conformance.outcomes import NotSupported
 from poot.conformance.scenarios import Probes

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
+
 from poot.conformance.client import Client, RawRequest
 from poot.conformance.scenarios import Probes, RawStream, fill_rows, rows_and_positions, unique_text
 

@@ -6,6 +6,7 @@ import random
 import string
 
 import pytest
+
 from poot.conformance.client import Client
 from poot.conformance.outcomes import NotSupported
 from poot.conformance.scenarios import KNOWN_EOS, Probes, unique_text

@@ -5,6 +5,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+
 from poot.conformance.client import Client
 from poot.conformance.scenarios import unique_text
 

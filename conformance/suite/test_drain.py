@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import httpx
 import pytest
+
 from poot.conformance.client import Client
 from poot.conformance.scenarios import Mux, RawStream, unique_text
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import httpx
 import pytest
+
 from poot.conformance.client import Client
 from poot.conformance.scenarios import Mux, Probes, RawStream, fill_rows, sse_chunks, unique_text
 

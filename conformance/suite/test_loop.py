@@ -7,6 +7,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+
 from poot.conformance.client import Client
 from poot.conformance.scenarios import Mux, Probes, RawStream, fill_rows, rows_and_positions, unique_text
 

@@ -7,6 +7,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+
 from poot.conformance.client import Client
 from poot.conformance.metrics import CONTRACT_NAMES
 from poot.conformance.scenarios import Probes, unique_text

@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from poot.conformance.client import Client, RawRequest
 from poot.conformance.scenarios import RawStream
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from poot.conformance.client import Client
 
 clause = pytest.mark.clause

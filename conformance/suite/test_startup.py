@@ -6,6 +6,7 @@ import time
 
 import httpx
 import pytest
+
 from poot.conformance.client import Client
 
 clause = pytest.mark.clause

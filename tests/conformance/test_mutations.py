@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import pytest
+
 from poot.conformance.mutations import MUTATIONS, Mutation
 from poot.conformance.target import BUNDLED_MODEL, BUNDLED_RECURRENT_MODEL, poot_serve
 

@@ -10,6 +10,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+
 from poot.conformance.clauses import SUITE_DIR, load_spec
 from poot.conformance.plugin import check_traceability
 

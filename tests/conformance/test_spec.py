@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
+
 from poot.conformance.clauses import PROFILES, SpecError, load_sources, load_spec, matches
 from poot.conformance.mutations import MUTATIONS
 

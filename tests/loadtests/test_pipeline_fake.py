@@ -5,6 +5,7 @@ import csv
 import json
 
 import pytest
+
 from poot.loadtests import scrape
 from poot.loadtests.cli import main
 

@@ -10,6 +10,7 @@ import csv
 import json
 
 import pytest
+
 from poot.loadtests import scrape
 from poot.loadtests.cli import main
 from poot.loadtests.server_proc import BundledServer

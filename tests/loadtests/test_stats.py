@@ -3,6 +3,7 @@
 import math
 
 import pytest
+
 from poot.loadtests import stats
 
 

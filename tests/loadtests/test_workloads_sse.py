@@ -5,6 +5,7 @@ import random
 import statistics
 
 import pytest
+
 from poot.loadtests import convoy, workloads
 from poot.loadtests.sse import SseParser, StreamRecorder, chunk_text
 from poot.loadtests.workloads import Lengths, LoadConfig, build, request_body, scenario_config

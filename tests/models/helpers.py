@@ -12,6 +12,7 @@ from pathlib import Path
 
 import gguf
 import numpy as np
+
 from poot.engine.models.synthetic import synthetic_llama
 
 Q = gguf.GGMLQuantizationType

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from poot.engine import InvalidRequest
 from poot.engine.models import synthetic_llama
 from poot.engine.models.chat import CHATML_TEMPLATE, render_chat, render_template

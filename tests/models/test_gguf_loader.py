@@ -8,6 +8,7 @@ import os
 import gguf
 import numpy as np
 import pytest
+
 from poot.engine.models import ModelLoadError, gguf_loader
 from poot.engine.models.gguf_loader import load_gguf, unpermute_rows
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from poot.engine.models import ModelLoadError
 from poot.engine.models.hf_tokenizer import (
     BYTE,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from poot.engine.models import LlamaConfig, LoadedModel, ModelLoadError, load_model, synthetic_llama
 
 from .helpers import write_gguf, write_hf_folder

@@ -11,6 +11,7 @@ import importlib.util
 
 import numpy as np
 import pytest
+
 from poot.engine.models import default_model_path, synthetic_llama
 
 from .reference_llama import ReferenceLlama

@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 import pytest
+
 from poot.engine.models import ModelLoadError
 from poot.engine.models.safetensors_loader import load_safetensors
 

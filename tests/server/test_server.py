@@ -345,8 +345,9 @@ def test_test_only_options_are_hidden_and_leave_the_plan_alone(srv, slow):
 
 
 def test_loading_state_is_reported():
-    from poot.server.app import ServerState, build_app
     from starlette.testclient import TestClient
+
+    from poot.server.app import ServerState, build_app
 
     client = TestClient(build_app(ServerState(model_spec="synthetic")))  # no lifespan: nothing loads
     h = client.get("/health")
