@@ -3,7 +3,8 @@
     .venv/bin/python benchmarks/bench_smollm2.py [--context 256] [--prompt 512] [--rows 1,8,32]
                                                  [--seconds 3] [--no-cold-load] [--profile ROWS] [--json PATH]
 
-Measures first what the machine can do (all BLAS threads, as the engine runs):
+Measures what the machine can do, before and next to every phase (the machine may be shared;
+each ratio uses the best ceilings seen in the run), on all BLAS threads as the engine runs:
 - bandwidth: a float32 matrix-vector product over a 1 GiB matrix (every byte read once, far
   beyond any cache);
 - GEMM rate: a float32 2048x2048x2048 product.
@@ -17,8 +18,10 @@ NumpyDriver with the plan the engine would fit:
 
 Rows are labelled `decode` or `prefill PROMPT/CHUNK` (tokens per step). Each step is timed many times; `best` is the fastest (noise only adds time), `med` the median.
 Columns: tok/s = output tokens per second (rows / step, or prompt tokens / prefill);
-bw_ms = the bandwidth bound of that step (weights read once + each row's KV, over measured
-bandwidth); gemm_ms = the GEMM bound (the step's matrix FLOPs over the measured GEMM rate);
+GB/s, GF/s = the ceilings sampled around that row (information only: the bounds use the best
+of the run); bw_ms = the bandwidth bound of that step (weights read once per step + each row's
+KV, over the best bandwidth); gemm_ms = the GEMM bound (the step's matrix FLOPs over the best
+GEMM rate);
 x_bw = best / bw_ms; %gemm = gemm_ms / best, the share of the GEMM ceiling reached. A decode
 row's FLOPs are config.flops_per_token() (every row needs its logits); a prefill needs the
 output head for its last token only, so its FLOPs are the layers' for every token plus one
@@ -55,22 +58,32 @@ def _timeit(fn, seconds: float, min_repeats: int = 5, max_repeats: int = 200) ->
     return times
 
 
-def machine_bandwidth(seconds: float) -> float:
-    """Bytes per second a float32 matrix-vector product streams (matrix far beyond any cache)."""
-    rng = np.random.default_rng(0)
-    a = np.full((16384, 16384), 0.5, dtype=np.float32)  # 1 GiB: the L3 of a large server is ~256 MiB
-    x = rng.standard_normal(16384, dtype=np.float32)
-    times = _timeit(lambda: a @ x, seconds, min_repeats=8)
-    return a.nbytes / min(times)
+class Ceilings:
+    """What the machine does right now, measured next to each phase (the machine may be shared):
+    bandwidth of a float32 matrix-vector product over 1 GiB (far beyond any cache, every byte
+    read once) and the float32 GEMM rate of a 2048^3 product, both on all BLAS threads."""
 
+    def __init__(self):
+        rng = np.random.default_rng(0)
+        self.a = np.full((16384, 16384), 0.5, dtype=np.float32)
+        self.x = rng.standard_normal(16384, dtype=np.float32)
+        self.m = rng.standard_normal((2048, 2048), dtype=np.float32)
+        self.bandwidth = 0.0
+        self.gemm = 0.0
 
-def machine_gemm(seconds: float, n: int = 2048) -> float:
-    """float32 FLOP/s of a square matrix product."""
-    rng = np.random.default_rng(1)
-    a = rng.standard_normal((n, n), dtype=np.float32)
-    b = rng.standard_normal((n, n), dtype=np.float32)
-    times = _timeit(lambda: a @ b, seconds, min_repeats=5)
-    return 2 * n**3 / min(times)
+    def sample(self, seconds: float = 0.5) -> tuple[float, float]:
+        bw = self.a.nbytes / min(_timeit(lambda: self.a @ self.x, seconds / 2, min_repeats=3))
+        gemm = 2 * 2048**3 / min(_timeit(lambda: self.m @ self.m, seconds / 2, min_repeats=3))
+        self.bandwidth, self.gemm = max(self.bandwidth, bw), max(self.gemm, gemm)
+        return bw, gemm
+
+    def around(self, fn, seconds: float):
+        """Times fn; returns (times, bandwidth, gemm), the ceilings being the better of the
+        samples taken just before and just after."""
+        bw0, g0 = self.sample()
+        times = fn()
+        bw1, g1 = self.sample()
+        return times, max(bw0, bw1), max(g0, g1)
 
 
 def load_times(cold: bool) -> tuple[float | None, float, object]:
@@ -172,9 +185,8 @@ class Bench:
 def run(args) -> dict:
     os.environ.setdefault("POOT_LOG_LEVEL", "warning")
     result: dict = {"threads": os.environ.get("OPENBLAS_NUM_THREADS", "default"), "cpus": os.cpu_count()}
-    bw = machine_bandwidth(args.seconds)
-    gemm = machine_gemm(args.seconds)
-    result.update(bandwidth_Bps=bw, gemm_flops=gemm)
+    ceilings = Ceilings()
+    ceilings.sample(args.seconds)
 
     cold_s, cached_s, model = load_times(not args.no_cold_load)
     result.update(load_cold_s=cold_s, load_cached_s=cached_s)
@@ -195,49 +207,51 @@ def run(args) -> dict:
     ctx = args.context
     for rows in row_counts:
         batch = bench.decode_batch(rows)
-        times = _timeit(lambda b=batch: bench.driver.step(b), args.seconds)
-        best, med = min(times), statistics.median(times)
-        bw_ms = (wbytes + rows * bench.kv_bytes(ctx)) / bw * 1e3
-        gemm_ms = rows * fpt / gemm * 1e3
-        tps = rows / best
-        rows_out.append(dict(phase="decode", rows=rows, context=ctx, best_ms=best * 1e3, median_ms=med * 1e3,
-                             tokens_per_s=tps, tokens_per_s_median=rows / med, bw_bound_ms=bw_ms,
-                             gemm_bound_ms=gemm_ms, x_bw=best * 1e3 / bw_ms, pct_gemm=gemm_ms / (best * 1e3),
-                             repeats=len(times)))
+        times, bw, gemm = ceilings.around(lambda b=batch: _timeit(lambda: bench.driver.step(b), args.seconds),
+                                          args.seconds)
+        rows_out.append(dict(phase="decode", rows=rows, context=ctx, tokens=rows, times=times,
+                             bytes=wbytes + rows * bench.kv_bytes(ctx), flops=rows * fpt,
+                             local_bandwidth_Bps=bw, local_gemm_flops=gemm))
 
     prompt = bench._tokens(args.prompt)
     table = bench._blocks(args.prompt)
     n = args.prompt
     head = 2 * c.vocab_size * c.hidden_size
-    pf_flops = n * (fpt - head) + head
     for chunk in (plan.token_budget, n):
-        label = f"prefill {n}/{chunk}"
-        times = _timeit(lambda ch=chunk: bench.prefill(prompt, table, ch), args.seconds, min_repeats=3)
+        times, bw, gemm = ceilings.around(
+            lambda ch=chunk: _timeit(lambda: bench.prefill(prompt, table, ch), args.seconds, min_repeats=3), args.seconds)
+        rows_out.append(dict(phase=f"prefill {n}/{chunk}", rows=1, context=0, tokens=n, times=times, chunk=chunk,
+                             bytes=wbytes * -(-n // chunk), flops=n * (fpt - head) + head,
+                             local_bandwidth_Bps=bw, local_gemm_flops=gemm))
+    # Ratios against the best ceilings this run saw (noise on a shared machine only lowers them).
+    bw, gemm = ceilings.bandwidth, ceilings.gemm
+    for r in rows_out:
+        times = r.pop("times")
         best, med = min(times), statistics.median(times)
-        gemm_ms = pf_flops / gemm * 1e3
-        rows_out.append(dict(phase=label, rows=1, context=0, best_ms=best * 1e3, median_ms=med * 1e3,
-                             tokens_per_s=n / best, tokens_per_s_median=n / med, bw_bound_ms=wbytes / bw * 1e3,
-                             gemm_bound_ms=gemm_ms, x_bw=best * 1e3 / (wbytes / bw * 1e3),
-                             pct_gemm=gemm_ms / (best * 1e3), repeats=len(times),
-                             chunk=chunk))
+        r.update(best_ms=best * 1e3, median_ms=med * 1e3, repeats=len(times), tokens_per_s=r["tokens"] / best,
+                 tokens_per_s_median=r["tokens"] / med, bw_bound_ms=r["bytes"] / bw * 1e3,
+                 gemm_bound_ms=r["flops"] / gemm * 1e3)
+        r.update(x_bw=r["best_ms"] / r["bw_bound_ms"], pct_gemm=r["gemm_bound_ms"] / r["best_ms"])
     result["steps"] = rows_out
+    result.update(bandwidth_Bps=bw, gemm_flops=gemm)
     result["compiles_constant"] = bench.driver.compiles == bench.compiles_after_prepare
 
     lines.append(f"machine: {os.cpu_count()} cpus, OPENBLAS_NUM_THREADS={result['threads']}; "
-                 f"bandwidth {bw / 1e9:.1f} GB/s (sgemv, 1 GiB); GEMM {gemm / 1e9:.0f} GFLOP/s (sgemm 2048^3)")
+                 f"best bandwidth {bw / 1e9:.1f} GB/s (sgemv, 1 GiB); best GEMM {gemm / 1e9:.0f} GFLOP/s (sgemm 2048^3)")
     lines.append(f"model: {model.name}: {wbytes / 1e6:.0f} MB float32 read per step, {fpt / 1e6:.0f} MFLOP/token "
                  f"(+{bench.attention_flops(ctx) / 1e6:.1f} attention at {ctx} context); "
-                 f"one-row bound {wbytes / bw * 1e3:.1f} ms/step")
+                 f"one-row bound at best bandwidth {wbytes / bw * 1e3:.1f} ms/step")
     cold = f"{cold_s:.2f} s" if cold_s is not None else "skipped"
     lines.append(f"load: cold {cold}, cached {cached_s:.2f} s; prepare {bench.prepare_s:.2f} s; "
                  f"plan rows={plan.rows} token_budget={plan.token_budget} blocks={plan.num_blocks}; "
                  f"compiles constant across steps: {result['compiles_constant']}")
     lines.append("")
     lines.append(f"{'phase':<15} {'rows':>4} {'ctx':>4} {'best_ms':>8} {'med_ms':>8} {'tok/s':>8} "
-                 f"{'bw_ms':>7} {'gemm_ms':>8} {'x_bw':>6} {'%gemm':>6}")
+                 f"{'GB/s':>5} {'GF/s':>5} {'bw_ms':>7} {'gemm_ms':>8} {'x_bw':>6} {'%gemm':>6}")
     for r in rows_out:
         lines.append(f"{r['phase']:<15} {r['rows']:>4} {r['context']:>4} {r['best_ms']:>8.1f} {r['median_ms']:>8.1f} "
-                     f"{r['tokens_per_s']:>8.1f} {r['bw_bound_ms']:>7.1f} {r['gemm_bound_ms']:>8.1f} "
+                     f"{r['tokens_per_s']:>8.1f} {r['local_bandwidth_Bps'] / 1e9:>5.1f} {r['local_gemm_flops'] / 1e9:>5.0f} "
+                     f"{r['bw_bound_ms']:>7.1f} {r['gemm_bound_ms']:>8.1f} "
                      f"{r['x_bw']:>6.2f} {r['pct_gemm'] * 100:>5.0f}%")
     one = next((r for r in rows_out if r["phase"] == "decode" and r["rows"] == 1), None)
     full = next(r for r in rows_out if r["phase"] == "decode" and r["rows"] == plan.rows)

@@ -8,10 +8,14 @@ attention row is ever fully masked.
 
 Layout, chosen for throughput on a BLAS:
 - Weights: Q/K/V fused and gate/up fused, each RMSNorm weight folded into the columns of the
-  projection that follows it, and 1/sqrt(head_dim) folded into the Q rows. Products are
-  `W @ X.T`: the weight is the streamed operand (one pass over it per step, whatever the
-  rows) and no operand is transposed into a copy. The MLP runs feature-major (gate and up
-  are contiguous halves of one product).
+  projection that follows it, and 1/sqrt(head_dim) folded into the Q rows.
+- Activations are feature-major, (features, tokens), between the products: every product is
+  `W @ X` with both operands contiguous and the weight the streamed operand (one pass over
+  it per step, whatever the rows; the layout BLAS handles well for few rows), and gate/up,
+  Q/K/V come out as contiguous blocks. Only attention works token-major.
+- Rotary: the Q and K rows of each head are stored with the rotate_half pairs (j, j + hd/2)
+  adjacent, so rotating is one complex multiply by e^(i pos theta) in place. Q and K are
+  permuted alike, so every q.k (and so attention) is unchanged; the cache holds K permuted.
 - KV: one array per layer, kv_cache_shape(): (2 [K, V], kv_heads, num_blocks, block_size,
   head_dim). A row's context is gathered block-wise (block_size x head_dim floats per copy)
   and lands as one contiguous (context, head_dim) matrix per kv head, so attention is two
@@ -39,8 +43,7 @@ class PreparedLlama:
     layers: list[dict]
     norm: object  # the final norm (not folded: the output head is tied to the embedding)
     lm_head: object
-    cos: object  # (positions, head_dim) rotary tables
-    sin: object
+    rope: object  # (positions, head_dim // 2) complex64: e^(i pos theta_j)
 
 
 def kv_cache_shape(config: LlamaConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -48,12 +51,19 @@ def kv_cache_shape(config: LlamaConfig, num_blocks: int, block_size: int) -> tup
     return (2, config.num_kv_heads, num_blocks, block_size, config.head_dim)
 
 
-def rope_tables(config: LlamaConfig, positions: int, xp=np):
+def rope_table(config: LlamaConfig, positions: int, xp=np):
     half = config.head_dim // 2
     inv_freq = 1.0 / (config.rope_theta ** (np.arange(half, dtype=np.float64) / half))
     angles = np.outer(np.arange(positions, dtype=np.float64), inv_freq)
-    angles = np.concatenate([angles, angles], axis=1)
-    return xp.asarray(np.cos(angles).astype(np.float32)), xp.asarray(np.sin(angles).astype(np.float32))
+    return xp.asarray(np.exp(1j * angles).astype(np.complex64))
+
+
+def pair_rows(w: np.ndarray, heads: int, head_dim: int) -> np.ndarray:
+    """Reorders each head's rows from the rotate_half layout (x_j and x_{j+hd/2} apart) to
+    adjacent pairs (x_j, x_{j+hd/2}), the real and imaginary parts of one complex number."""
+    half = head_dim // 2
+    order = np.stack([np.arange(half), np.arange(half) + half], axis=1).reshape(-1)
+    return w.reshape(heads, head_dim, -1)[:, order].reshape(heads * head_dim, -1)
 
 
 def prepare_llama(config: LlamaConfig, weights: dict[str, np.ndarray], positions: int, xp=np) -> PreparedLlama:
@@ -70,43 +80,27 @@ def prepare_llama(config: LlamaConfig, weights: dict[str, np.ndarray], positions
         p = f"layers.{i}."
         attn_norm, mlp_norm = weights[p + "attn_norm"], weights[p + "mlp_norm"]
         wq = np.asarray(weights[p + "wq"], dtype=np.float64) * scale  # scores come out pre-scaled
+        wq = pair_rows(wq, config.num_heads, config.head_dim)
+        wk = pair_rows(np.asarray(weights[p + "wk"]), config.num_kv_heads, config.head_dim)
         layers.append({
-            "wqkv": dev(folded(np.concatenate([wq, weights[p + "wk"], weights[p + "wv"]]), attn_norm)),
+            "wqkv": dev(folded(np.concatenate([wq, wk, weights[p + "wv"]]), attn_norm)),
             "wo": dev(weights[p + "wo"]),
             "w_gate_up": dev(folded(np.concatenate([weights[p + "w_gate"], weights[p + "w_up"]]), mlp_norm)),
             "w_down": dev(weights[p + "w_down"]),
         })
     head = weights.get("lm_head", weights["embed"])
-    cos, sin = rope_tables(config, positions, xp)
-    return PreparedLlama(dev(weights["embed"]), layers, dev(weights["norm"]), dev(head), cos, sin)
-
-
-def linear(xp, x, w):
-    # W @ X.T keeps the weight as the streamed operand, which BLAS handles well for few rows.
-    return (w @ x.T).T
+    return PreparedLlama(dev(weights["embed"]), layers, dev(weights["norm"]), dev(head),
+                         rope_table(config, positions, xp))
 
 
 def rms_scale(xp, x, eps: float):
-    """x / rms(x) over the last axis (the norm's weight is folded into the next product)."""
-    r = (x * x).sum(axis=-1, keepdims=True)
-    r *= 1.0 / x.shape[-1]
+    """x / rms(x) over the features, axis 0 of a feature-major x (the norm's weight is folded
+    into the next product)."""
+    r = (x * x).sum(axis=0, keepdims=True)
+    r *= 1.0 / x.shape[0]
     r += eps
     xp.sqrt(r, out=r)
     return x / r
-
-
-def rms_norm(xp, x, weight, eps: float):
-    return rms_scale(xp, x, eps) * weight
-
-
-def rotate(xp, x, cos, sin):
-    """x: (tokens, heads, head_dim) in the rotate_half layout; cos/sin: (tokens, 1, head_dim)."""
-    half = x.shape[-1] // 2
-    rotated = xp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    out = x * cos
-    rotated *= sin
-    out += rotated
-    return out
 
 
 def softmax_apply(xp, scores, values):
@@ -130,9 +124,12 @@ class StepLayout:
     decode_idx: np.ndarray  # (D,) token index of each single-token row
     decode_blocks: np.ndarray  # (D, B) each decode row's blocks, padded with its first block
     decode_valid: np.ndarray  # (D, B * block_size) which gathered keys are the row's own (length mask)
-    prefills: list[tuple[int, int, np.ndarray, np.ndarray]]  # (first token, count, blocks, causal bias)
+    prefills: list[tuple[int, int, int, np.ndarray, np.ndarray]]  # (first token, count, context, blocks, causal bias)
     logit_idx: np.ndarray  # token indices whose logits are returned
     all_decode: bool  # every fed token is a decode row's (no scatter needed)
+
+
+PREFILL_TILE = 128  # query rows per attention product in a prefill chunk
 
 
 def _bias(valid: np.ndarray) -> np.ndarray:
@@ -155,7 +152,7 @@ def step_layout(batch: list[RowWork], block_size: int, shared_position: bool = F
             decode_rows.append((offset, ctx, table))
         else:
             keys = np.arange(len(table) * block_size)
-            prefills.append((offset, n, table, _bias(keys[None, :] <= pos[:, None])))
+            prefills.append((offset, n, ctx, table, _bias(keys[None, :] <= pos[:, None])))
         logit_idx.extend(range(offset + n - work.num_logits, offset + n))
         offset += n
     positions = np.concatenate(positions)
@@ -177,7 +174,7 @@ def step_layout(batch: list[RowWork], block_size: int, shared_position: bool = F
 def attention(xp, q, cache, decode, prefills, kv_heads: int):
     """q: (T, heads, hd), pre-scaled; cache: one layer's kv_cache_shape() array.
     decode: None or (token idx, blocks (D, B), bias (D, 1, B*bs), all_decode);
-    prefills: [(first, n, blocks (B,), causal bias (n, B*bs))]. Returns (T, heads * hd)."""
+    prefills: [(first, n, context, blocks (B,), causal bias (n, B*bs))]. Returns (T, heads * hd)."""
     t, heads, hd = q.shape
     groups = heads // kv_heads
     out = None
@@ -195,13 +192,19 @@ def attention(xp, q, cache, decode, prefills, kv_heads: int):
         out[idx] = od
     if out is None:
         out = xp.empty((t, heads * hd), dtype=q.dtype)
-    for first, n, blocks, bias in prefills:
+    for first, n, ctx, blocks, bias in prefills:
         kv = xp.take(cache, blocks, axis=2).reshape(2, kv_heads, -1, hd)  # (2, kvh, L, hd)
-        qp = q[first : first + n].reshape(n, kv_heads, groups, hd).transpose(1, 2, 0, 3).reshape(kv_heads, groups * n, hd)
-        scores = xp.matmul(qp, kv[0].swapaxes(-1, -2))  # (kvh, g * n, L)
-        scores.reshape(kv_heads, groups, n, -1)[...] += bias
-        o = softmax_apply(xp, scores, kv[1])  # (kvh, g * n, hd)
-        out[first : first + n] = o.reshape(kv_heads, groups, n, hd).transpose(2, 0, 1, 3).reshape(n, heads * hd)
+        # Long chunks go in query tiles, each against the keys up to its last position only
+        # (causal: the rest are masked anyway), which saves up to half the work.
+        for i0 in range(0, n, PREFILL_TILE):
+            i1 = min(n, i0 + PREFILL_TILE)
+            m = i1 - i0
+            keys = ctx - (n - i1)  # keys up to the tile's last position
+            qp = q[first + i0 : first + i1].reshape(m, kv_heads, groups, hd).transpose(1, 2, 0, 3)
+            scores = xp.matmul(qp.reshape(kv_heads, groups * m, hd), kv[0, :, :keys].swapaxes(-1, -2))
+            scores.reshape(kv_heads, groups, m, keys)[...] += bias[i0:i1, :keys]
+            o = softmax_apply(xp, scores, kv[1, :, :keys])  # (kvh, g * m, hd)
+            out[first + i0 : first + i1] = o.reshape(kv_heads, groups, m, hd).transpose(2, 0, 1, 3).reshape(m, heads * hd)
     return out
 
 
@@ -213,31 +216,32 @@ def forward(xp, config: LlamaConfig, model: PreparedLlama, kv: list, tokens, lay
     q_size, kv_size = heads * hd, kvh * hd
     inter = config.intermediate_size
     eps = config.rms_eps
-    x = model.embed[xp.asarray(tokens)]
-    t = x.shape[0]
-    pos = xp.asarray(layout.positions)
-    cos, sin = model.cos[pos][:, None, :], model.sin[pos][:, None, :]
+    x = xp.ascontiguousarray(model.embed[xp.asarray(tokens)].T)  # (hidden, T): feature-major
+    t = x.shape[1]
+    rope = model.rope[xp.asarray(layout.positions)][:, None, :]  # (T, 1, hd / 2)
     blk, off = xp.asarray(layout.write_block), xp.asarray(layout.write_offset)
     decode = None
     if len(layout.decode_idx):
         valid = layout.decode_valid if mask_lengths else np.ones_like(layout.decode_valid)
         decode = (xp.asarray(layout.decode_idx), xp.asarray(layout.decode_blocks),
                   xp.asarray(_bias(valid)[:, None, :]), layout.all_decode)
-    prefills = [(first, n, xp.asarray(blocks), xp.asarray(bias)) for first, n, blocks, bias in layout.prefills]
+    prefills = [(first, n, ctx, xp.asarray(blocks), xp.asarray(bias)) for first, n, ctx, blocks, bias in layout.prefills]
     for layer, cache in zip(model.layers, kv, strict=True):
-        qkv = linear(xp, rms_scale(xp, x, eps), layer["wqkv"])  # (T, q + 2 kv)
-        qk = rotate(xp, qkv[:, : q_size + kv_size].reshape(t, heads + kvh, hd), cos, sin)
+        qkv = layer["wqkv"] @ rms_scale(xp, x, eps)  # (q + 2 kv, T)
+        qk = xp.ascontiguousarray(qkv[: q_size + kv_size].T)  # (T, q + kv): token-major for attention
+        qk.view(xp.complex64).reshape(t, heads + kvh, hd // 2)[...] *= rope  # rotary, in place
+        qk = qk.reshape(t, heads + kvh, hd)
         cache[0][:, blk, off] = qk[:, heads:].transpose(1, 0, 2)
-        cache[1][:, blk, off] = qkv[:, q_size + kv_size :].reshape(t, kvh, hd).transpose(1, 0, 2)
-        a = attention(xp, qk[:, :heads], cache, decode, prefills, kvh)
-        x = x + linear(xp, a, layer["wo"])
-        gate_up = layer["w_gate_up"] @ rms_scale(xp, x, eps).T  # (2 * inter, T): feature-major
+        cache[1][:, blk, off] = qkv[q_size + kv_size :].reshape(kvh, hd, t).transpose(0, 2, 1)
+        a = attention(xp, qk[:, :heads], cache, decode, prefills, kvh)  # (T, heads * hd)
+        x += layer["wo"] @ a.T
+        gate_up = layer["w_gate_up"] @ rms_scale(xp, x, eps)  # (2 inter, T)
         gate = gate_up[:inter]
         act = xp.negative(gate)
         xp.exp(act, out=act)
         act += 1.0
         xp.divide(gate, act, out=act)  # silu(gate)
         act *= gate_up[inter:]
-        x += (layer["w_down"] @ act).T
-    h = rms_norm(xp, x[xp.asarray(layout.logit_idx)], model.norm, eps)
-    return linear(xp, h, model.lm_head)
+        x += layer["w_down"] @ act
+    h = rms_scale(xp, x[:, xp.asarray(layout.logit_idx)], eps) * model.norm[:, None]
+    return (model.lm_head @ h).T

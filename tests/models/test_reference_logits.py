@@ -124,6 +124,7 @@ HF_NAMES = {
 }
 
 
+@pytest.mark.reference
 @pytest.mark.realmodel
 @pytest.mark.slow
 def test_weights_equal_transformers_gguf_loader(smollm2, hf_smollm2):
@@ -138,6 +139,7 @@ def test_weights_equal_transformers_gguf_loader(smollm2, hf_smollm2):
                                           err_msg=f"layer {i} {canon}")
 
 
+@pytest.mark.reference
 @pytest.mark.realmodel
 @pytest.mark.slow
 @pytest.mark.parametrize("text", [PROMPT, "123 + 4567 = ?", "héllo wörld 😀", "<|im_start|>user\nHi<|im_end|>\n"])
@@ -146,6 +148,7 @@ def test_tokens_equal_transformers_gguf_tokenizer(smollm2, hf_smollm2, text):
     assert smollm2.tokenizer.encode(text) == hf_tok.encode(text, add_special_tokens=False)
 
 
+@pytest.mark.reference
 @pytest.mark.realmodel
 @pytest.mark.slow
 def test_logits_equal_transformers(smollm2, hf_smollm2, smollm2_prompt_logits):
