@@ -32,6 +32,18 @@ from poot.loadtests.workloads import DESCRIPTIONS, SCENARIOS, Lengths, build, sc
 LOCUSTFILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "locustfile.py")
 
 
+
+def _target(a, out: str):
+    """The server to load: started here with --serve (returned, to be stopped), or --url."""
+    if a.serve:
+        server = BundledServer(a.serve_model, a.serve_args.split(), log_path=os.path.join(out, "server.log"))
+        _say(a, "starting poot-serve ...")
+        return server, server.start()
+    if a.url:
+        return None, a.url.rstrip("/")
+    print("poot-load: give --url URL or --serve", file=sys.stderr)
+    return None, None
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="poot-load", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -164,14 +176,8 @@ def run_scenario(a) -> int:
             os.remove(os.path.join(out, name))  # a report folder holds one run
     server = None
     try:
-        if a.serve:
-            server = BundledServer(a.serve_model, a.serve_args.split(), log_path=os.path.join(out, "server.log"))
-            _say(a, "starting poot-serve ...")
-            url = server.start()
-        elif a.url:
-            url = a.url.rstrip("/")
-        else:
-            print("poot-load: give --url URL or --serve", file=sys.stderr)
+        server, url = _target(a, out)
+        if url is None:
             return 2
         if not cfg.model:
             cfg = replace(cfg, model=discover_model(url))
@@ -232,13 +238,8 @@ def run_convoy(a) -> int:
     ccfg = replace(ccfg, **{k: v for k, v in o.items() if v is not None})
     server = None
     try:
-        if a.serve:
-            server = BundledServer(a.serve_model, a.serve_args.split(), log_path=os.path.join(out, "server.log"))
-            url = server.start()
-        elif a.url:
-            url = a.url.rstrip("/")
-        else:
-            print("poot-load: give --url URL or --serve", file=sys.stderr)
+        server, url = _target(a, out)
+        if url is None:
             return 2
         if not ccfg.model:
             ccfg = replace(ccfg, model=discover_model(url))

@@ -51,17 +51,21 @@ def synthetic_weights(config: LlamaConfig, seed: int) -> dict[str, np.ndarray]:
     return w
 
 
-def synthetic_llama(seed: int = 0, **overrides) -> LoadedModel:
-    config = synthetic_config(**overrides)
+def _byte_model(family: str, config, weights: dict[str, np.ndarray], seed: int, spec: str) -> LoadedModel:
     return LoadedModel(
-        name=f"synthetic-llama-{seed}",
+        name=f"synthetic-{family}-{seed}",
         config=config,
-        weights=synthetic_weights(config, seed),
+        weights=weights,
         tokenizer=ByteTokenizer(),
         chat_template=CHAT_TEMPLATE,
         special_tokens={"bos_token": "", "eos_token": ""},
-        source=f"synthetic:seed={seed}",
+        source=f"{spec}:seed={seed}",
     )
+
+
+def synthetic_llama(seed: int = 0, **overrides) -> LoadedModel:
+    config = synthetic_config(**overrides)
+    return _byte_model("llama", config, synthetic_weights(config, seed), seed, "synthetic")
 
 
 # ---- the Mamba family ----------------------------------------------------------------------
@@ -113,12 +117,4 @@ def synthetic_mamba(seed: int = 0, **overrides) -> LoadedModel:
     """A tiny seeded Mamba-1 (d_model 64, 2 layers, d_state 8, d_conv 4, expand 2) with the
     byte tokenizer: the recurrent family without a file."""
     config = synthetic_mamba_config(**overrides)
-    return LoadedModel(
-        name=f"synthetic-mamba-{seed}",
-        config=config,
-        weights=synthetic_mamba_weights(config, seed),
-        tokenizer=ByteTokenizer(),
-        chat_template=CHAT_TEMPLATE,
-        special_tokens={"bos_token": "", "eos_token": ""},
-        source=f"synthetic-mamba:seed={seed}",
-    )
+    return _byte_model("mamba", config, synthetic_mamba_weights(config, seed), seed, "synthetic-mamba")
