@@ -19,7 +19,7 @@ from poot.engine.models.chat import render_chat as _engine_render
 def precheck(spec: str | None) -> None:
     """Cheap checks before the server listens: a malformed synthetic seed or a missing file.
     Other names of the synthetic family ("synthetic-...") are left to the engine's loader."""
-    if spec is None or spec == "synthetic" or spec.startswith("synthetic-"):
+    if spec is None or spec in ("default", "synthetic") or spec.startswith("synthetic-"):
         return
     if spec.startswith("synthetic:"):
         seed = spec.partition(":")[2]

