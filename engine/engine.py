@@ -75,6 +75,7 @@ class Engine:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
+        self._wake = threading.Event()
         self._panic_armed = False
         self._health = Health("ok")
         self.counters: Counter[str] = Counter()
@@ -117,6 +118,7 @@ class Engine:
                 raise EngineDead(self._health.reason or "the engine is not serving")
             self._in_flight[handle.request_id] = job
         self._jobs.put(job)
+        self._wake.set()
         return handle
 
     def health(self) -> Health:
@@ -191,11 +193,11 @@ class Engine:
         self._commit(scheduled, logits)
 
     def _wait_for_job(self) -> None:
-        try:
-            job = self._jobs.get(timeout=IDLE_WAIT_S)
-        except queue.Empty:
-            return
-        self._jobs.put(job)  # phase 1 takes it, in order with any others
+        # Sleep until a job is queued (or a moment passes); phase 1 then takes every queued job
+        # in submission order. Clearing after the wait is safe: a job queued meanwhile is
+        # still in the queue for this iteration.
+        self._wake.wait(IDLE_WAIT_S)
+        self._wake.clear()
 
     # phase 1
     def _take_jobs(self) -> None:
@@ -208,8 +210,11 @@ class Engine:
                 prompt = self._tokenize(job.prompt)
                 self._check_fits(prompt, job.params)
             except InvalidRequest as e:
-                self._forget(job.handle.request_id)
-                self._emit(job.handle, Rejected(str(e), e.param))
+                self._reject(job, str(e), e.param)
+                continue
+            except Exception as e:  # a tokenizer that chokes on one prompt must not stop the loop
+                log.exception("request %s: tokenizing failed", job.handle.request_id)
+                self._reject(job, f"the prompt could not be tokenized: {type(e).__name__}", "prompt")
                 continue
             decode = self.model.tokenizer.decode
             rng = np.random.default_rng(job.params.seed)
@@ -219,6 +224,10 @@ class Engine:
             self.counters["prompt_tokens"] += len(prompt)
             self.scheduler.add(seq)
             self._emit(job.handle, Accepted(len(prompt)))
+
+    def _reject(self, job: _Job, message: str, param: str | None) -> None:
+        self._forget(job.handle.request_id)
+        self._emit(job.handle, Rejected(message, param))
 
     def _tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

@@ -14,6 +14,7 @@ COUNTERS = {
     "prefix_cache_hit_tokens": "Prompt tokens served from the prefix cache.",
     "spec_drafted_tokens": "Speculative draft tokens proposed.",
     "spec_accepted_tokens": "Speculative draft tokens accepted.",
+    "spec_rounds": "Speculative rounds verified (accepted per round = accepted / rounds).",
 }
 GAUGES = {
     "engine_compiles": "Prepared driver entries built so far; constant after the first request.",

@@ -240,3 +240,21 @@ def test_every_event_stream_is_accepted_tokens_then_one_finished():
         assert kinds[0] == "Accepted" and kinds[-1] == "Finished"
         assert set(kinds[1:-1]) <= {"Tokens"}
         assert isinstance(rec.finished, Finished)
+
+
+def test_a_prompt_the_tokenizer_chokes_on_is_rejected_and_the_loop_goes_on(monkeypatch):
+    engine = make_engine()
+    real = engine.model.tokenizer.encode
+
+    def encode(text):
+        if text == "poison":
+            raise RuntimeError("tokenizer bug")
+        return real(text)
+
+    monkeypatch.setattr(engine.model.tokenizer, "encode", encode)
+    bad, _ = submit(engine, "poison", greedy(4))
+    good, _ = submit(engine, "fine", greedy(4, ignore_eos=True))
+    run_until_idle(engine)
+    assert isinstance(bad.finished, Rejected) and bad.finished.param == "prompt"
+    assert good.finished.reason == "length"
+    assert engine.health().status == "ok"
