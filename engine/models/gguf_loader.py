@@ -403,6 +403,14 @@ def load_gguf(path: str | os.PathLike, *, cache: bool | None = None, cache_dir: 
     set; True/False force it. cache_dir overrides the cache root (see the module docstring).
     """
     path = Path(path).expanduser()
+    model = _load_gguf(path, cache, cache_dir)
+    # Served under its file name: general.name is free text ("Smollm2 135M 8k ..."), the file
+    # name is what a user chose and can type.
+    model.name = path.stem
+    return model
+
+
+def _load_gguf(path: Path, cache: bool | None, cache_dir) -> LoadedModel:
     try:
         size = path.stat().st_size if path.is_file() else 0
     except OSError:

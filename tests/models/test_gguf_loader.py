@@ -47,7 +47,7 @@ def test_f32_round_trip_is_exact_and_maps_the_config(tmp_path):
         assert got.shape == want.shape, name
         np.testing.assert_array_equal(got, want, err_msg=name)
     assert model.source == str(path)
-    assert model.name == "tiny-test"
+    assert model.name == path.stem  # served under the file name, not general.name ("tiny-test")
 
 
 def _root(a):
