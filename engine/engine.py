@@ -10,6 +10,7 @@ Each iteration runs five phases, in this order:
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import queue
@@ -28,13 +29,14 @@ from .params import InvalidRequest, SamplingParams
 from .plan import Plan, fit_plan
 from .prefix_cache import PrefixCache
 from .scheduler import Scheduled, Scheduler
-from .sequence import Sequence
+from .sequence import Sequence, Status
 from .speculative import make_draft_policy
 from .stops import StopChecker
 
 log = logging.getLogger("poot.engine")
 
 IDLE_WAIT_S = 0.05
+PREEMPT_AFTER = 10  # iterations; the preempt_youngest mutation only
 
 
 class EngineDead(RuntimeError):
@@ -77,6 +79,7 @@ class Engine:
         self._stopping = threading.Event()
         self._wake = threading.Event()
         self._panic_armed = False
+        self._waited_iterations = 0  # the preempt_youngest mutation only
         self._health = Health("ok")
         self.counters: Counter[str] = Counter()
         self.finished_by_reason: Counter[str] = Counter(dict.fromkeys(("stop", "length", "cancelled", "error"), 0))
@@ -208,7 +211,12 @@ class Engine:
                 return
             try:
                 prompt = self._tokenize(job.prompt)
+                if "clamp_max_tokens" in self.mutations:  # cut to fit instead of refused
+                    room = max(1, min(job.params.max_tokens, self.plan.positions - len(prompt)))
+                    job.params = dataclasses.replace(job.params, max_tokens=room)
                 self._check_fits(prompt, job.params)
+                if "refuse_when_full" in self.mutations and not self.scheduler.free_rows:
+                    raise InvalidRequest("no free row now", "max_tokens")  # the mutation: no waiting
             except InvalidRequest as e:
                 self._reject(job, str(e), e.param)
                 continue
@@ -217,7 +225,7 @@ class Engine:
                 self._reject(job, f"the prompt could not be tokenized: {type(e).__name__}", "prompt")
                 continue
             decode = self.model.tokenizer.decode
-            rng = np.random.default_rng(job.params.seed)
+            rng = np.random.default_rng(None if "ignore_seed" in self.mutations else job.params.seed)
             seq = Sequence(job.handle, prompt, job.params, StopChecker(decode, job.params.stop), rng)
             with self._lock:
                 self._in_flight[job.handle.request_id] = seq
@@ -258,10 +266,21 @@ class Engine:
 
     # phase 3
     def _open_waiting(self) -> None:
+        if "preempt_youngest" in self.mutations:
+            self._preempt_youngest()
         for seq in self.scheduler.open_waiting():
             seq.num_cached = seq.num_computed  # a prefix-cache hit starts past its cached blocks
             self.counters["prefix_queried_tokens"] += len(seq.prompt)
             self.counters["prefix_hit_tokens"] += seq.num_cached
+
+    def _preempt_youngest(self) -> None:
+        """The preempt_youngest mutation: a request kept waiting for a row for PREEMPT_AFTER
+        iterations takes the row of the youngest running request, which ends with an error."""
+        s = self.scheduler
+        self._waited_iterations = self._waited_iterations + 1 if s.waiting and not s.free_rows else 0
+        if self._waited_iterations > PREEMPT_AFTER and s.running:
+            self._waited_iterations = 0
+            self._finish(max(s.running, key=lambda q: q.arrival), "error", "preempted for a waiting request")
 
     # phase 4
     def _step(self) -> tuple[list[Scheduled], np.ndarray | None]:
@@ -276,6 +295,9 @@ class Engine:
             # Nothing ran: only this step's requests fail, their rows and blocks go back.
             for s in scheduled:
                 self._finish(s.seq, "error", f"the driver refused the step: {e}")
+            if "refuse_fails_waiting" in self.mutations:  # requests that were not in the step fail too
+                for seq in list(self.scheduler.waiting):
+                    self._finish(seq, "error", f"the driver refused the step: {e}")
             return [], None
         self.counters["steps"] += 1
         return scheduled, out.logits
@@ -309,7 +331,7 @@ class Engine:
                 reason = "stop"
             elif len(seq.output) >= seq.params.max_tokens + ("off_by_one_max_tokens" in self.mutations):
                 reason = "length"
-            if reason or i >= len(drafts) or token != drafts[i]:
+            if reason or i >= len(drafts) or (token != drafts[i] and "accept_all_drafts" not in self.mutations):
                 break
         if was_decoding:  # KV now holds the fed token and every accepted draft
             seq.num_computed += len(kept)
@@ -332,7 +354,12 @@ class Engine:
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
         # A request that ended normally releases what it held back; a stop string was cut already.
         tail = seq.stops.flush() if reason in ("stop", "length") else ""
-        registered = self.scheduler.release(seq)
+        if reason == "stop" and "keep_stop_string" in self.mutations:  # the cut stop string goes out too
+            tail += seq.stops.decode(seq.stops.ids)[len(seq.stops.text):]
+        if "stop_keeps_row" in self.mutations and reason == "stop" and seq.stops.text != seq.stops.decode(seq.stops.ids):
+            registered, seq.status = 0, Status.FINISHED  # the mutation: ended by a stop string, never released
+        else:
+            registered = self.scheduler.release(seq)
         if registered is None:  # a recurrent family: its blocks would hold none of its state
             self.counters["prefix_skipped_releases"] += 1
         else:

@@ -80,7 +80,12 @@ class Scheduler:
     def schedule(self, draft_policy=None) -> list[Scheduled]:
         budget = self.plan.token_budget
         steps: list[Scheduled] = []
-        decoding = [s for s in self.running if not s.prefilling]
+        running = self.running
+        if "stop_keeps_row" in self.mutations:  # finished requests left holding their rows are not stepped
+            running = [s for s in running if s.status is Status.RUNNING]
+        decoding = [s for s in running if not s.prefilling]
+        if "one_row_per_step" in self.mutations:  # the rows take turns instead of sharing steps
+            decoding = decoding[:1]
         room = max(0, budget - len(decoding))  # every decoding row gets its token first
         if "reserve_prompt_only" in self.mutations:
             decoding = [q for q in decoding if self._grow_table(q)]
@@ -94,11 +99,14 @@ class Scheduler:
             steps.append(Scheduled(seq, RowWork(seq.row, np.array(feed, np.int32), seq.num_computed,
                                                 seq.block_table, len(feed)), drafts))
         budget -= sum(len(s.work.tokens) for s in steps)
-        for seq in sorted((s for s in self.running if s.prefilling), key=lambda s: s.arrival):
+        for seq in sorted((s for s in running if s.prefilling), key=lambda s: s.arrival):
             if budget <= 0:
                 break
             take = len(seq.prompt) if "no_prefill_budget" in self.mutations else budget
-            chunk = seq.prompt[seq.num_computed : seq.num_computed + take]
+            start = seq.num_computed
+            if "prefix_hit_refeeds_prompt" in self.mutations and seq.num_cached:  # the prompt from its start
+                start, take = start - seq.num_cached, min(take, len(seq.prompt) - seq.num_computed)
+            chunk = seq.prompt[start : start + take]
             last = seq.num_computed + len(chunk) == len(seq.prompt)
             steps.append(Scheduled(seq, RowWork(seq.row, np.array(chunk, np.int32), seq.num_computed,
                                                 seq.block_table, 1 if last else 0)))

@@ -106,7 +106,7 @@ class ServerState:
         h = engine.health()
         if h.status != "ok":
             raise ApiError(503, f"the engine is dead ({h.cause}): {h.reason}", code="engine_dead")
-        if self.draining and "healthy_while_draining" not in self.mutations:
+        if self.draining and not {"healthy_while_draining", "serve_while_draining"} & self.mutations:
             raise ApiError(503, "the server is shutting down and takes no new requests", code="draining")
         return engine
 
@@ -198,16 +198,18 @@ def build_app(state: ServerState) -> Starlette:
             return JSONResponse({"status": "loading"}, status_code=503)
         h = engine.health()
         if h.status != "ok" and "healthy_when_dead" not in muts:
-            return JSONResponse({"status": "dead", "cause": h.cause, "reason": h.reason}, status_code=503)
+            cause = "fault" if "panic_reported_as_fault" in muts and h.cause == "panicked" else h.cause
+            return JSONResponse({"status": "dead", "cause": cause, "reason": h.reason}, status_code=503)
         if state.draining and "healthy_while_draining" not in muts:
             return JSONResponse({"status": "draining", "in_flight": engine.in_flight()}, status_code=503)
-        return JSONResponse({"status": "ok", "plan": engine.plan.as_dict()})
+        status = "ready" if "health_status_ready" in muts else "ok"
+        return JSONResponse({"status": status, "plan": engine.plan.as_dict()})
 
     async def models(request: Request) -> Response:
         engine = state.engine
         if engine is None:
             raise ApiError(503, "the model is still loading", code="loading")
-        return JSONResponse({"object": "list", "data": [
+        return JSONResponse({"object": "models" if "models_not_a_list" in muts else "list", "data": [
             {"id": state.model.name, "object": "model", "created": state.created, "owned_by": "poot",
              "max_model_len": engine.plan.positions}]})
 
@@ -234,7 +236,11 @@ def build_app(state: ServerState) -> Starlette:
 
     async def generate(request: Request, chat: bool) -> Response:
         engine = state.serving_engine()
-        body = openai.parse_body(await read_body(request))
+        body = openai.parse_body(await read_body(request), objects_only="non_object_body_500" not in muts)
+        if not isinstance(body, dict):  # only under the non_object_body_500 mutation
+            raise ApiError(500, "internal error: the request body is not an object", code="internal_error")
+        if "no_token_prompts" in muts and not chat and isinstance(body.get("prompt"), list):
+            raise openai.bad("prompt must be a string", "prompt")
         try:
             parsed = parse(engine, body, chat)
         except ApiError as e:
@@ -246,6 +252,8 @@ def build_app(state: ServerState) -> Starlette:
         queue: asyncio.Queue = asyncio.Queue()
 
         def sink(event) -> None:  # engine thread
+            if "stop_reported_as_length" in muts and isinstance(event, Finished) and event.reason == "stop":
+                event = dataclasses.replace(event, reason="length")
             loop.call_soon_threadsafe(queue.put_nowait, event)
 
         try:
@@ -265,7 +273,7 @@ def build_app(state: ServerState) -> Starlette:
             rid = openai.new_id(chat)
             name = state.model.name
             if parsed.stream:
-                chunks = ChunkMaker(parsed, rid, name)
+                chunks = ChunkMaker(parsed, rid, name, same_id="chunk_ids_differ" not in muts)
                 on_close = None if "ignore_disconnect_stream" in muts else handle.cancel
                 return EventStream(stream(parsed, queue, engine, chunks), on_close)
             return await collect(request, parsed, handle, queue, engine, rid, name)
@@ -302,8 +310,18 @@ def build_app(state: ServerState) -> Starlette:
         if ev.reason not in ("stop", "length"):
             raise failure(engine, ev)
         parts.append(ev.text)
+        answer = openai.full_response(parsed, rid, name, "".join(parts), ev.reason, usage_of(ev))
+        if "completion_no_created" in muts and not parsed.chat:
+            del answer["created"]
+        if "chat_no_role" in muts and parsed.chat:
+            del answer["choices"][0]["message"]["role"]
+        return JSONResponse(answer)
+
+    def usage_of(ev: Finished) -> dict:
         use = openai.usage(ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens)
-        return JSONResponse(openai.full_response(parsed, rid, name, "".join(parts), ev.reason, use))
+        if "total_without_prompt" in muts:
+            use["total_tokens"] = ev.completion_tokens
+        return use
 
     async def stream(parsed, queue, engine, chunks: ChunkMaker):
         leak = "stream_stop_prefix" in muts
@@ -312,6 +330,7 @@ def build_app(state: ServerState) -> Starlette:
         ids: list[int] = []
         leaked = 0  # characters already sent by the stream_stop_prefix mutation
         held: list[str] = []  # text kept for the final chunk by the batch_stream mutation
+        drop_first = "stream_drops_first_text" in muts
         if parsed.chat:
             yield chunks.role()
         while True:
@@ -322,6 +341,8 @@ def build_app(state: ServerState) -> Starlette:
                     ids.extend(ev.token_ids)
                     full = decode(ids).rstrip("\ufffd")
                     text, leaked = full[leaked:], max(leaked, len(full))
+                if drop_first and text:
+                    text, drop_first = "", False
                 if batch:
                     held.append(text)
                 elif text:
@@ -330,8 +351,8 @@ def build_app(state: ServerState) -> Starlette:
                 if ev.reason in ("stop", "length"):
                     tail = "" if leak else ev.text
                     yield chunks.text("".join(held) + tail, ev.reason)
-                    if parsed.include_usage:
-                        yield chunks.usage(openai.usage(ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens))
+                    if parsed.include_usage and "ignore_include_usage" not in muts:
+                        yield chunks.usage(usage_of(ev))
                 else:
                     yield openai.sse(failure(engine, ev).body())
                 if "no_done_sentinel" not in muts:
@@ -349,9 +370,15 @@ def build_app(state: ServerState) -> Starlette:
         routes.append(Route("/debug/fault", debug_fault, methods=["POST"]))
 
     async def on_api_error(request: Request, exc: ApiError) -> Response:
+        if "error_param_null" in muts and exc.status == 400:
+            exc.param = None
+        if "dead_plain_503" in muts and exc.code == "engine_dead":
+            return Response(exc.message, status_code=503, media_type="text/plain")
         return error_response(exc)
 
     async def on_http_error(request: Request, exc: HTTPException) -> Response:
+        if "unknown_path_400" in muts and exc.status_code == 404:
+            return error_response(ApiError(400, f"bad request for {request.url.path}"))
         message = {404: f"no route for {request.method} {request.url.path}",
                    405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, exc.detail)
         return error_response(ApiError(exc.status_code, message, code="not_found" if exc.status_code == 404 else None))
@@ -422,6 +449,8 @@ async def drain_watch(state: ServerState) -> None:
         engine = state.engine
         if (engine is None or engine.in_flight() == 0) and state.active == 0:
             log.info("drained: shutting down")
+            if "drain_exit_1" in state.mutations:
+                state.exit_code = 1
             state.request_exit()
             return
 

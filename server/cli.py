@@ -60,6 +60,9 @@ def fail(message: str, code: int = 2) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
+    if "rows_option" in args.mutation:  # the mutation: an option that claims to set the rows
+        parser.add_argument("--max-num-seqs", type=int, default=None, help=argparse.SUPPRESS)
+        args, unknown = parser.parse_known_args(argv)
 
     from poot.engine.models.base import ModelLoadError
 
@@ -124,6 +127,10 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True
             return
         state.draining = True
+        if "drain_cancels_inflight" in state.mutations:  # the mutation: shutdown cuts requests off
+            with state.engine._lock:
+                for item in list(state.engine._in_flight.values()):
+                    item.handle.cancel()
         log.info("%s: draining %d request(s) in flight", signal.Signals(sig).name, state.engine.in_flight())
 
 

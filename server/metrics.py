@@ -41,7 +41,10 @@ class EngineCollector(Collector):
         if engine is None:  # still loading: nothing to report yet
             return
         m = engine.metrics()
-        skip = {"engine_steps"} if "no_metrics_steps" in self.state.mutations else set()
+        muts = self.state.mutations
+        if muts:
+            m = mutated(m, muts)
+        skip = {"engine_steps"} if "no_metrics_steps" in muts else set()
         for name, help_text in COUNTERS.items():
             if name in m and name not in skip:
                 yield CounterMetricFamily(name, help_text, value=m[name])
@@ -56,6 +59,24 @@ class EngineCollector(Collector):
         for name, value in sorted(m.items()):  # anything the engine adds later still shows up
             if name not in known and isinstance(value, int | float) and not isinstance(value, bool):
                 yield GaugeMetricFamily(name, f"Engine metric {name}.", value=value)
+
+
+def mutated(m: dict, muts: frozenset[str]) -> dict:
+    """The metric mutations (see mutations.py): deliberately wrong values."""
+    m = dict(m)
+    if "count_stop_as_length" in muts:
+        finished = dict(m.get(FINISHED[0], {}))
+        finished["length"] = finished.get("length", 0) + finished.pop("stop", 0)
+        m[FINISHED[0]] = finished
+    if "rows_gauge_off_by_one" in muts:
+        m["engine_rows"] += 1
+    if "in_use_counts_cached" in muts:
+        m["kv_blocks_in_use"] += m["kv_blocks_cached"]
+    if "hit_rate_percent" in muts:
+        m["prefix_cache_hit_rate"] *= 100
+    if "spec_counters_swapped" in muts:
+        m["spec_drafted_tokens"], m["spec_accepted_tokens"] = m["spec_accepted_tokens"], m["spec_drafted_tokens"]
+    return m
 
 
 def make_registry(state) -> CollectorRegistry:

@@ -64,6 +64,15 @@ def test_finish_reason_is_valid(client: Client, examples: int):
         if reason == "length" and usage:
             assert usage["completion_tokens"] == req["max_tokens"], \
                 f"finish 'length' with {usage['completion_tokens']} of max_tokens {req['max_tokens']}"
+
+    # A fixed case first: random stop strings seldom match, so stop on a character the greedy
+    # output is known to hold (after its first), which ends the request early.
+    base = {"prompt": "Finish reasons", "max_tokens": 30, "stop": None, "temperature": 0.0, "seed": 0}
+    text, _, _ = answer(client, {**base, "stream": False})
+    stop = next((ch for ch in text[1:] if ch.isascii() and ch.isprintable()), None)
+    if stop:
+        for stream in (False, True):
+            check({**base, "stop": [stop], "stream": stream})
     run(examples, requests, check)
 
 
@@ -150,5 +159,12 @@ def test_server_returns_to_idle(client: Client, examples: int):
             assert time.monotonic() < deadline, f"10s after {[r['mode'] for r in batch]} the server still holds {held}"
             time.sleep(0.01)
 
+    # A fixed mix first: random stop strings seldom match, so one that the greedy output holds
+    # ends these requests early, beside the same requests abandoned.
+    prompt = "Back to idle"
+    text = client.complete(prompt, max_tokens=30, temperature=0)["choices"][0]["text"]
+    stop = next((ch for ch in text[1:] if ch.isascii() and ch.isprintable()), None)
+    check([{"prompt": prompt, "max_tokens": 30, "stop": [stop] if stop else None, "mode": mode, "after": 1}
+           for mode in ("finish", "finish-stream", "close-stream", "close-nonstream")])
     random.seed(0)
     run(examples, hangups, check)

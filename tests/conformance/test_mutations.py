@@ -29,9 +29,9 @@ def implemented() -> set[str]:
     return set(ALL)
 
 
-def command(model: str, mutation: str) -> str:
+def command(model: str, mutation: str, *extra: str) -> str:
     return (f"{shlex.quote(poot_serve())} --model {model} --port {{port}} --fault-injection "
-            f"--mutation {mutation}")
+            f"--mutation {mutation}" + "".join(f" {shlex.quote(a)}" for a in extra))
 
 
 @pytest.mark.parametrize("mutation", MUTATIONS, ids=[m.name for m in MUTATIONS])
@@ -43,6 +43,8 @@ def test_mutation_fails_its_clause_and_only_that(mutation: Mutation, tmp_path):
             "--server-cmd", command(BUNDLED_MODEL, mutation.name), *mutation.prefixes]
     if mutation.recurrent:
         args += ["--recurrent-server-cmd", command(BUNDLED_RECURRENT_MODEL, mutation.name)]
+    if mutation.speculative:
+        args += ["--speculative-server-cmd", command(BUNDLED_MODEL, mutation.name, "--draft", "ngram")]
     r = subprocess.run(args, capture_output=True, text=True, timeout=600)
     assert out.exists(), f"no report (exit {r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-2000:]}"
     clauses = {c["id"]: c for c in json.loads(out.read_text())["clauses"]}
