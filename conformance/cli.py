@@ -41,9 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     tune = p.add_argument_group("tuning")
     tune.add_argument("--metrics-dialect", default="poot", choices=("poot", "vllm", "llamacpp"),
                       help="metric names the server uses (default poot)")
-    tune.add_argument("--step-slack", type=int, default=2,
+    tune.add_argument("--step-slack", type=int, default=4,
                       help="engine steps allowed between a hang-up being noticeable and the release of its "
-                           "request: the step in flight plus the next (default 2)")
+                           "request (default 4: the step in flight and the next, plus two for the polls that see it)")
     tune.add_argument("--examples", type=int, default=25, help="examples per property test (default 25)")
     out = p.add_argument_group("reports")
     out.add_argument("--json", metavar="PATH", help="write a JSON report")

@@ -94,11 +94,15 @@ class Client:
     @property
     def model(self) -> str:
         if self._model is None:
-            try:
-                data = self.get("/v1/models").json()["data"]
-                self._model = data[0]["id"]
-            except Exception:  # noqa: BLE001 - any shape problem: fall back, api/models/1 reports it
-                self._model = "default"
+            for _ in range(3):  # a dropped connection is retried; only a settled answer is kept
+                try:
+                    data = self.get("/v1/models").json()["data"]
+                    self._model = data[0]["id"]
+                    break
+                except Exception:  # noqa: BLE001 - any shape problem: api/models/1 reports it
+                    continue
+            else:
+                return "default"  # not remembered: the next request asks again
         return self._model
 
     def body(self, prompt: Any = None, **params: Any) -> dict:

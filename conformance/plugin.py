@@ -57,8 +57,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     g.addoption("--poot-markdown", help="write the Markdown matrix here")
     g.addoption("--poot-metrics-dialect", default="poot", choices=("poot", "vllm", "llamacpp"),
                 help="metric names the server uses")
-    g.addoption("--poot-step-slack", type=int, default=2,
-                help="engine steps allowed between a hang-up being noticeable and its release (default 2)")
+    g.addoption("--poot-step-slack", type=int, default=4,
+                help="engine steps allowed between a hang-up being noticeable and its release (default 4: the step in flight and the next, plus two for the polls that see it)")
     g.addoption("--poot-recurrent-server-cmd", help="command that starts the server with a recurrent-state model")
     g.addoption("--poot-speculative-server-cmd", help="command that starts the server with speculative decoding")
     g.addoption("--poot-examples", type=int, default=25, help="examples per property test")
