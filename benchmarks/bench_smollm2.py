@@ -16,7 +16,10 @@ NumpyDriver with the plan the engine would fit:
 - a PROMPT-token prefill, in chunks of the plan's token budget as the engine feeds it, and
   the same prompt in one step (the plan's budget widened for the measurement).
 
-Rows are labelled `decode` or `prefill PROMPT/CHUNK` (tokens per step). Each phase is timed many
+Rows are labelled `decode` or `prefill PROMPT/CHUNK` (tokens per step). Each decode row count
+and the prefill are followed by a `products` row: that step's weight products alone, as the
+driver computes them (its few-token kernel or OpenBLAS), with nothing between them: the part
+of the gap to a bound that the products themselves leave, whatever the rest of the step does. Each phase is timed many
 times, in rounds over all phases; `best` is the fastest (noise only adds time), `med` the median.
 Columns: tok/s = output tokens per second (rows / step, or prompt tokens / prefill);
 GB/s, GF/s = the best ceilings sampled next to that row (information only: the bounds use the
@@ -160,6 +163,25 @@ class Bench:
         self.fill_rows(rows)
         return [RowWork(r, self._tokens(1), self.context, self.tables[r], 1) for r in range(rows)]
 
+    def products(self, tokens: int, logits: int):
+        """The step's weight products alone, as the driver computes them (its few-token kernel
+        or BLAS), with nothing between them: what any step over this BLAS and these kernels
+        costs at least. Returns a callable."""
+        d = self.driver
+        mm = d.kernels.matmul if d.kernels is not None else np.matmul
+        c = self.config
+        x = np.full((c.hidden_size, tokens), 0.01, np.float32)
+        act = np.full((c.intermediate_size, tokens), 0.01, np.float32)
+
+        def run():
+            for layer in d.model.layers:
+                mm(layer["wqkv"], x)
+                mm(layer["wo"], x)
+                mm(layer["w_gate_up"], x)
+                mm(layer["w_down"], act)
+            return mm(d.model.lm_head, x[:, :logits])
+        return run
+
     # ---- bounds -------------------------------------------------------------------------
 
     def weight_bytes_per_step(self) -> int:
@@ -204,6 +226,8 @@ def run(args) -> dict:
         batch = bench.decode_batch(rows)
         rows_out.append(dict(phase="decode", rows=rows, context=ctx, tokens=rows, run=lambda b=batch: bench.driver.step(b),
                              bytes=wbytes + rows * bench.kv_bytes(ctx), flops=rows * fpt))
+        rows_out.append(dict(phase="  products", rows=rows, context=0, tokens=rows, run=bench.products(rows, rows),
+                             bytes=wbytes, flops=rows * fpt))
     prompt = bench._tokens(args.prompt)
     table = bench._blocks(args.prompt)
     n = args.prompt
@@ -212,6 +236,8 @@ def run(args) -> dict:
         rows_out.append(dict(phase=f"prefill {n}/{chunk}", rows=1, context=0, tokens=n, chunk=chunk,
                              run=lambda ch=chunk: bench.prefill(prompt, table, ch),
                              bytes=wbytes * -(-n // chunk), flops=n * (fpt - head) + head))
+    rows_out.append(dict(phase="  products", rows=1, context=0, tokens=n, run=bench.products(n, 1),
+                         bytes=wbytes, flops=n * (fpt - head) + head))
     # Rounds over every phase, so a burst of load from another process hits no phase alone;
     # the ceilings are sampled before each round and after the last.
     for r in rows_out:
@@ -257,7 +283,7 @@ def run(args) -> dict:
                      f"{r['x_bw']:>6.2f} {r['pct_gemm'] * 100:>5.0f}%")
     one = next((r for r in rows_out if r["phase"] == "decode" and r["rows"] == 1), None)
     full = next(r for r in rows_out if r["phase"] == "decode" and r["rows"] == plan.rows)
-    pre, one_shot = rows_out[-2], rows_out[-1]
+    pre, one_shot = (r for r in rows_out if r["phase"].startswith("prefill"))
     lines.append("")
     lines.append("targets: " + "; ".join(filter(None, [
         one and f"1 row x_bw {one['x_bw']:.2f} (<= 1.25)",

@@ -53,23 +53,27 @@ class NgramPolicy(DraftPolicy):
     (longest n first, from max_ngram down to min_ngram) in its prompt and output, and
     propose the tokens that followed it. No second model.
 
-    A verified round costs more than a plain decode step (on the NumPy driver, a row fed
-    several tokens runs matrix-matrix products and the causal-attention path: about 2-3x a
-    one-token step at one row), so a round that is rejected outright is a loss. Two rules
-    keep the loss small where nothing is quoted:
-    - backoff: after a round whose drafts were all rejected, a row drafts again only after
-      1, 2, 4, ... (at most max_backoff) plain steps; an accepted draft resets it;
+    A verified round costs more than a plain decode step (on the NumPy driver, one row fed
+    k+1 tokens: about 1.6x a one-token step for one draft, 2.3x for eight; measured by
+    benchmarks/bench_speculative.py), so a round pays only when most of its drafts are
+    accepted: at that cost, a per-draft acceptance under about 0.6 loses. Three rules keep
+    the loss small where nothing is quoted:
+    - backoff: after a round that accepted less than `min_acceptance` of its drafts, a row
+      drafts again only after 1, 2, 4, ... (at most max_backoff) plain steps; a round that
+      accepted enough resets it;
     - a full batch drafts less: from `full_rows` decoding rows on, the step is bound by
       arithmetic rather than by reading the weights, so a draft costs about as much as the
       token it may save; there a row drafts at most `full_drafts` tokens, and only on a
-      match of at least `full_min_ngram` tokens (0 drafts: plain decoding at full rows).
+      match of at least `full_min_ngram` tokens (0 drafts: plain decoding at full rows);
+    - only matches of at least `min_ngram` tokens are drafted from.
     Measurements: benchmarks/bench_speculative.py.
     """
 
     name = "ngram"
 
     def __init__(self, max_drafts: int = 10, min_ngram: int = 3, max_ngram: int = 4,
-                 full_rows: int = 4, full_drafts: int = 0, full_min_ngram: int = 3, max_backoff: int = 32):
+                 full_rows: int = 4, full_drafts: int = 0, full_min_ngram: int = 3, max_backoff: int = 32,
+                 min_acceptance: float = 0.5):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError("need 1 <= min_ngram <= max_ngram")
         self.max_drafts = max_drafts
@@ -79,6 +83,7 @@ class NgramPolicy(DraftPolicy):
         self.full_drafts = full_drafts
         self.full_min_ngram = max(full_min_ngram, min_ngram)
         self.max_backoff = max_backoff
+        self.min_acceptance = min_acceptance  # a round accepting less of its drafts is a miss
         # request id -> (output length when it last drafted, drafts then, consecutive misses,
         # output length from which it may draft again); bounded, oldest dropped first
         self._rows: dict[int, tuple[int, int, int, int]] = {}
@@ -97,7 +102,8 @@ class NgramPolicy(DraftPolicy):
         now = len(seq.output)
         last_len, last_k, misses, resume = self._rows.get(seq.request_id, (-1, 0, 0, 0))
         if last_k and last_len >= 0 and now > last_len:  # the outcome of its last round
-            if now - last_len == 1:  # every draft rejected
+            accepted = now - last_len - 1  # committed tokens less the target's own one
+            if accepted == 0 or accepted < self.min_acceptance * last_k:
                 misses += 1
                 resume = now + min(2 ** (misses - 1), self.max_backoff)
             else:

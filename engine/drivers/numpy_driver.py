@@ -8,9 +8,13 @@ import numpy as np
 
 from ..models import llama, mamba
 from ..plan import DeviceInfo, Plan
+from . import cpu_kernels
 from .base import Driver, RowWork, StepOutput
 
 CPU_ROWS = 32  # rows a CPU steps at far less than 32x the cost of one (weights read once)
+# Rows fed up to this many tokens attend as paged queries (each token against its row's
+# keys, in place); longer prefill chunks are cheaper as causal tiles over one gathered copy.
+PAGED_ROW_TOKENS = 16
 
 
 def host_memory_bytes() -> int:
@@ -27,11 +31,14 @@ def host_memory_bytes() -> int:
 class NumpyDriver(Driver):
     backend = "numpy"
 
-    def __init__(self, memory_bytes: int | None = None, mutations: frozenset[str] = frozenset()):
+    def __init__(self, memory_bytes: int | None = None, mutations: frozenset[str] = frozenset(),
+                 kernels: bool = True):
         super().__init__()
         self._memory = memory_bytes
         self.mutations = mutations  # deliberate defects, for tests that prove checks can fail
         self._last_rows = None
+        self._want_kernels = kernels  # False: the plain NumPy path (tests compare the two)
+        self.kernels = None  # cpu_kernels once compiled in prepare()
 
     def device(self) -> DeviceInfo:
         memory = self._memory if self._memory is not None else host_memory_bytes()
@@ -46,6 +53,11 @@ class NumpyDriver(Driver):
             return
         self.model = llama.prepare_llama(model.config, model.weights, plan.positions, np)
         self._built()
+        if self._want_kernels and cpu_kernels.available():
+            for _ in range(cpu_kernels.compile()):
+                self._built()
+            self.kernels = cpu_kernels
+            self._specializations = cpu_kernels.specializations()
         shape = llama.kv_cache_shape(model.config, plan.num_blocks, plan.block_size)
         # np.zeros maps pages lazily, so an unused KV pool costs no memory.
         self.kv = [np.zeros(shape, np.float32) for _ in range(model.config.num_layers)]
@@ -58,8 +70,14 @@ class NumpyDriver(Driver):
         if self.config.family == "mamba":
             logits = mamba.forward(np, self.config, self.model, batch, "stale_recurrent_state" not in self.mutations)
             return StepOutput(np.ascontiguousarray(logits, dtype=np.float32))
-        layout = llama.step_layout(batch, self.plan.block_size, "shared_position" in self.mutations)
+        # With the kernels, rows of up to PAGED_ROW_TOKENS tokens (decode, speculative
+        # verification) attend in place; without them only decode rows are paged queries.
+        paged_upto = PAGED_ROW_TOKENS if self.kernels is not None else 1
+        layout = llama.step_layout(batch, self.plan.block_size, "shared_position" in self.mutations, paged_upto)
         tokens = np.concatenate([w.tokens for w in batch]).astype(np.int64)
         logits = llama.forward(np, self.config, self.model, self.kv, tokens, layout,
-                               mask_lengths="no_length_mask" not in self.mutations)
+                               mask_lengths="no_length_mask" not in self.mutations, kernels=self.kernels)
+        if self.kernels is not None and self.kernels.specializations() != self._specializations:
+            self._specializations = self.kernels.specializations()  # a kernel compiled for new types
+            self._built()
         return StepOutput(np.ascontiguousarray(logits, dtype=np.float32))

@@ -17,10 +17,13 @@ Layout, chosen for throughput on a BLAS:
   adjacent, so rotating is one complex multiply by e^(i pos theta) in place. Q and K are
   permuted alike, so every q.k (and so attention) is unchanged; the cache holds K permuted.
 - KV: one array per layer, kv_cache_shape(): (2 [K, V], kv_heads, num_blocks, block_size,
-  head_dim). A row's context is gathered block-wise (block_size x head_dim floats per copy)
-  and lands as one contiguous (context, head_dim) matrix per kv head, so attention is two
-  batched products for all decode rows together (and two per prefill chunk), never a loop
-  over rows or blocks in Python.
+  head_dim). Decode tokens, and the tokens of short rows (speculative verification), are
+  paged queries: each attends its own row's keys up to its own position. With the CPU
+  driver's kernels they are read in place through the block table; on the plain array-module
+  path each query's blocks are gathered (block_size x head_dim floats per copy) into one
+  contiguous context, and attention is two batched products for all queries together.
+  Prefill chunks gather their row once and attend in causal query tiles. Never a loop over
+  rows or blocks in Python.
 - Masks are additive float32 biases (0 or -inf) built once per step on the host and shared
   by every layer; softmax is normalised after the value product (fewer divisions).
 """
@@ -121,12 +124,16 @@ class StepLayout:
     positions: np.ndarray  # (T,) rotary position of each fed token
     write_block: np.ndarray  # (T,) physical block each token's K/V goes to
     write_offset: np.ndarray  # (T,) slot within that block
-    decode_idx: np.ndarray  # (D,) token index of each single-token row
-    decode_blocks: np.ndarray  # (D, B) each decode row's blocks, padded with its first block
-    decode_valid: np.ndarray  # (D, B * block_size) which gathered keys are the row's own (length mask)
+    # Paged queries: tokens that attend their row's blocks in place, one query at a time
+    # (decode tokens, and the tokens of short rows such as speculative verification).
+    paged_idx: np.ndarray  # (Q,) token index of each paged query
+    paged_tables: np.ndarray  # (R, B) block table of each row they come from, padded with its first block
+    paged_table_of: np.ndarray  # (Q,) which of those tables a query reads
+    paged_lengths: np.ndarray  # (Q,) keys each query attends: its position + 1 (per-row length mask)
     prefills: list[tuple[int, int, int, np.ndarray, np.ndarray]]  # (first token, count, context, blocks, causal bias)
     logit_idx: np.ndarray  # token indices whose logits are returned
-    all_decode: bool  # every fed token is a decode row's (no scatter needed)
+    all_paged: bool  # every fed token is a paged query (no scatter needed)
+    block_size: int
 
 
 PREFILL_TILE = 128  # query rows per attention product in a prefill chunk
@@ -136,9 +143,12 @@ def _bias(valid: np.ndarray) -> np.ndarray:
     return np.where(valid, np.float32(0), np.float32(-np.inf)).astype(np.float32)
 
 
-def step_layout(batch: list[RowWork], block_size: int, shared_position: bool = False) -> StepLayout:
+def step_layout(batch: list[RowWork], block_size: int, shared_position: bool = False,
+                paged_upto: int = 1) -> StepLayout:
+    """Rows fed at most `paged_upto` tokens become paged queries; longer rows (prefill
+    chunks) are attended chunk-wise with a causal mask."""
     positions, write_block, write_offset, logit_idx = [], [], [], []
-    decode_rows, prefills = [], []
+    paged_idx, paged_lengths, paged_table_of, tables, prefills = [], [], [], [], []
     offset = 0
     for work in batch:
         n = len(work.tokens)
@@ -148,8 +158,11 @@ def step_layout(batch: list[RowWork], block_size: int, shared_position: bool = F
         positions.append(pos)
         write_block.append(table[pos // block_size])
         write_offset.append(pos % block_size)
-        if n == 1:
-            decode_rows.append((offset, ctx, table))
+        if n <= paged_upto:
+            paged_idx.append(np.arange(offset, offset + n))
+            paged_lengths.append(pos + 1)
+            paged_table_of.append(np.full(n, len(tables)))
+            tables.append(table)
         else:
             keys = np.arange(len(table) * block_size)
             prefills.append((offset, n, ctx, table, _bias(keys[None, :] <= pos[:, None])))
@@ -158,38 +171,52 @@ def step_layout(batch: list[RowWork], block_size: int, shared_position: bool = F
     positions = np.concatenate(positions)
     if shared_position:  # deliberately wrong: used by the mutation test that proves positions matter
         positions = np.full_like(positions, positions.max())
-    width = max((len(t) for _, _, t in decode_rows), default=0)
-    d_blocks = np.empty((len(decode_rows), width), dtype=np.int64)
-    lengths = np.empty(len(decode_rows), dtype=np.int64)
-    for i, (_, ctx, t) in enumerate(decode_rows):
-        d_blocks[i, : len(t)] = t
-        d_blocks[i, len(t):] = t[0]  # padding: a block of the row's own, masked below
-        lengths[i] = ctx
-    d_valid = np.arange(width * block_size)[None, :] < lengths[:, None]
-    return StepLayout(positions, np.concatenate(write_block), np.concatenate(write_offset),
-                      np.array([o for o, _, _ in decode_rows], dtype=np.int64), d_blocks, d_valid, prefills,
-                      np.array(logit_idx, dtype=np.int64), len(decode_rows) == offset)
+    width = max((len(t) for t in tables), default=0)
+    padded = np.empty((len(tables), width), dtype=np.int64)
+    for i, t in enumerate(tables):
+        padded[i, : len(t)] = t
+        padded[i, len(t):] = t[0]  # padding: a block of the row's own, beyond its length
+    def joined(parts):
+        return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+    paged_idx = joined(paged_idx)
+    return StepLayout(positions, np.concatenate(write_block), np.concatenate(write_offset), paged_idx, padded,
+                      joined(paged_table_of), joined(paged_lengths), prefills,
+                      np.array(logit_idx, dtype=np.int64), len(paged_idx) == offset, block_size)
 
 
-def attention(xp, q, cache, decode, prefills, kv_heads: int):
+def paged_attention_gathered(xp, q, cache, tables, lengths):
+    """The array-module path for paged queries: each query's blocks are gathered into one
+    contiguous context (a copy), then two batched products for all queries together.
+    q: (Q, heads, hd); tables: (Q, B) the blocks each query reads; returns (Q, heads * hd)."""
+    n, heads, hd = q.shape
+    kv_heads = cache.shape[1]
+    kv = xp.take(cache, xp.asarray(tables), axis=2).reshape(2, kv_heads, n, -1, hd)  # (2, kvh, Q, L, hd)
+    bias = xp.asarray(_bias(np.arange(kv.shape[3])[None, :] < lengths[:, None])[:, None, :])
+    qd = q.reshape(n, kv_heads, heads // kv_heads, hd).transpose(1, 0, 2, 3)
+    scores = xp.matmul(qd, kv[0].swapaxes(-1, -2))  # (kvh, Q, g, L)
+    scores += bias
+    return softmax_apply(xp, scores, kv[1]).transpose(1, 0, 2, 3).reshape(n, heads * hd)
+
+
+def attention(xp, q, cache, paged, prefills, kv_heads: int, kernels=None):
     """q: (T, heads, hd), pre-scaled; cache: one layer's kv_cache_shape() array.
-    decode: None or (token idx, blocks (D, B), bias (D, 1, B*bs), all_decode);
+    paged: None or (token idx, tables (R, B), table of each query, lengths (host), all_paged);
     prefills: [(first, n, context, blocks (B,), causal bias (n, B*bs))]. Returns (T, heads * hd)."""
     t, heads, hd = q.shape
     groups = heads // kv_heads
     out = None
-    if decode is not None:
-        idx, blocks, bias, all_decode = decode
-        d = blocks.shape[0]
-        kv = xp.take(cache, blocks, axis=2).reshape(2, kv_heads, d, -1, hd)  # (2, kvh, D, L, hd)
-        qd = (q if all_decode else q[idx]).reshape(d, kv_heads, groups, hd).transpose(1, 0, 2, 3)
-        scores = xp.matmul(qd, kv[0].swapaxes(-1, -2))  # (kvh, D, g, L)
-        scores += bias
-        od = softmax_apply(xp, scores, kv[1]).transpose(1, 0, 2, 3).reshape(d, heads * hd)
-        if all_decode:
-            return od
+    if paged is not None:
+        idx, tables, table_of, lengths, all_paged = paged
+        qp = q if all_paged else q[idx]
+        if kernels is not None:  # in place through the block tables, no gathered copy
+            op = xp.empty((len(table_of), heads * hd), dtype=q.dtype)
+            kernels.paged_attention(xp.ascontiguousarray(qp), cache, tables, table_of, lengths, op, t)
+        else:
+            op = paged_attention_gathered(xp, qp, cache, tables[table_of], lengths)
+        if all_paged:
+            return op
         out = xp.empty((t, heads * hd), dtype=q.dtype)
-        out[idx] = od
+        out[idx] = op
     if out is None:
         out = xp.empty((t, heads * hd), dtype=q.dtype)
     for first, n, ctx, blocks, bias in prefills:
@@ -209,39 +236,43 @@ def attention(xp, q, cache, decode, prefills, kv_heads: int):
 
 
 def forward(xp, config: LlamaConfig, model: PreparedLlama, kv: list, tokens, layout: StepLayout,
-            mask_lengths: bool = True):
+            mask_lengths: bool = True, kernels=None):
     """Runs one step; writes each fed token's K/V into the paged caches (one kv_cache_shape()
-    array per layer); returns logits (len(layout.logit_idx), vocab) as float32 on the device."""
+    array per layer); returns logits (len(layout.logit_idx), vocab) as float32 on the device.
+    `kernels` (the CPU driver's cpu_kernels module, or None) supplies compiled few-token
+    products and in-place paged attention; without it every operation is the array module's."""
     heads, kvh, hd = config.num_heads, config.num_kv_heads, config.head_dim
     q_size, kv_size = heads * hd, kvh * hd
     inter = config.intermediate_size
     eps = config.rms_eps
+    mm = kernels.matmul if kernels is not None else xp.matmul
     x = xp.ascontiguousarray(model.embed[xp.asarray(tokens)].T)  # (hidden, T): feature-major
     t = x.shape[1]
     rope = model.rope[xp.asarray(layout.positions)][:, None, :]  # (T, 1, hd / 2)
     blk, off = xp.asarray(layout.write_block), xp.asarray(layout.write_offset)
-    decode = None
-    if len(layout.decode_idx):
-        valid = layout.decode_valid if mask_lengths else np.ones_like(layout.decode_valid)
-        decode = (xp.asarray(layout.decode_idx), xp.asarray(layout.decode_blocks),
-                  xp.asarray(_bias(valid)[:, None, :]), layout.all_decode)
+    paged = None
+    if len(layout.paged_idx):
+        lengths = layout.paged_lengths
+        if not mask_lengths:  # deliberately wrong: every query attends its row's whole padded table
+            lengths = np.full_like(lengths, layout.paged_tables.shape[1] * layout.block_size)
+        paged = (xp.asarray(layout.paged_idx), layout.paged_tables, layout.paged_table_of, lengths, layout.all_paged)
     prefills = [(first, n, ctx, xp.asarray(blocks), xp.asarray(bias)) for first, n, ctx, blocks, bias in layout.prefills]
     for layer, cache in zip(model.layers, kv, strict=True):
-        qkv = layer["wqkv"] @ rms_scale(xp, x, eps)  # (q + 2 kv, T)
+        qkv = mm(layer["wqkv"], rms_scale(xp, x, eps))  # (q + 2 kv, T)
         qk = xp.ascontiguousarray(qkv[: q_size + kv_size].T)  # (T, q + kv): token-major for attention
         qk.view(xp.complex64).reshape(t, heads + kvh, hd // 2)[...] *= rope  # rotary, in place
         qk = qk.reshape(t, heads + kvh, hd)
         cache[0][:, blk, off] = qk[:, heads:].transpose(1, 0, 2)
         cache[1][:, blk, off] = qkv[q_size + kv_size :].reshape(kvh, hd, t).transpose(0, 2, 1)
-        a = attention(xp, qk[:, :heads], cache, decode, prefills, kvh)  # (T, heads * hd)
-        x += layer["wo"] @ a.T
-        gate_up = layer["w_gate_up"] @ rms_scale(xp, x, eps)  # (2 inter, T)
+        a = attention(xp, qk[:, :heads], cache, paged, prefills, kvh, kernels)  # (T, heads * hd)
+        x += mm(layer["wo"], a.T)
+        gate_up = mm(layer["w_gate_up"], rms_scale(xp, x, eps))  # (2 inter, T)
         gate = gate_up[:inter]
         act = xp.negative(gate)
         xp.exp(act, out=act)
         act += 1.0
         xp.divide(gate, act, out=act)  # silu(gate)
         act *= gate_up[inter:]
-        x += layer["w_down"] @ act
+        x += mm(layer["w_down"], act)
     h = rms_scale(xp, x[:, xp.asarray(layout.logit_idx)], eps) * model.norm[:, None]
-    return (model.lm_head @ h).T
+    return mm(model.lm_head, h).T

@@ -91,3 +91,18 @@ def test_greedy_continuations_match_the_reference_with_other_requests_in_the_bat
     for p, tokens in zip(prompts, got, strict=True):
         want = reference.greedy(p, STEPS)
         assert tokens == want, (smollm2.tokenizer.decode(tokens), smollm2.tokenizer.decode(want))
+
+
+def test_speculative_greedy_on_smollm2_equals_plain_greedy(smollm2, engine):
+    """The n-gram policy on a prompt the answer quotes: verification rows go through the
+    few-token products and per-query paged attention, plain decoding through one-token
+    steps; the committed tokens must be the same, and drafts must actually be accepted."""
+    text = ("Repeat this sentence exactly: the little red house stood at the end of the long road, "
+            "and every morning the old man opened the red door.")
+    prompt = smollm2.encode_prompt(text)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    plain = run_together(engine, [(prompt, params)])[0]
+    speculative = Engine.create(smollm2, draft="ngram")
+    got = run_together(speculative, [(prompt, params)])[0]
+    assert got == plain, (smollm2.tokenizer.decode(got), smollm2.tokenizer.decode(plain))
+    assert speculative.metrics()["spec_accepted_tokens"] > 0

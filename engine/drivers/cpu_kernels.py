@@ -1,0 +1,233 @@
+"""Compiled CPU kernels (numba) for the two places where NumPy and OpenBLAS leave the most
+time on the table in a decode step:
+
+- few_token_matmul: W @ X for 1 to 12 tokens. OpenBLAS runs 2- to 12-token products at a
+  third to a half of memory speed (on SmolLM2 the products of a 2-token step took 1.9x
+  those of a 1-token step); this kernel reads each weight row once and dots it with every
+  token while it sits in L1 (1.25x).
+  Speculative verification and small batches live in this range. One-token products use it
+  too, so that a few-token step runs on one thread pool: numba's and OpenBLAS's threads
+  each spin for a while after their work, and alternating between them on two cores made a
+  one-row step several times slower.
+- paged_attention: each query attends its own row's keys in place, block by block through
+  the row's block table, with an online softmax: no gathered copy of the context (the copy
+  was most of a many-row step's attention), no per-row Python loop, one pass over the KV.
+
+Both are compiled once, when the driver prepares (`compile()`; the driver counts each
+build), for the only types a step uses (float32 values, int64 indices), and cached on disk
+by numba. Without numba (or without a thread-safe threading layer) `available()` is False
+and the driver keeps its NumPy path: same results, slower.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+
+FEW_TOKENS = range(1, 13)  # token counts few_token_matmul takes over from BLAS (measured crossover)
+_ROWS_PER_TASK = 32  # weight rows per parallel task: enough work to hide the task's start-up
+# Multiply-adds below which a kernel runs on the calling thread alone: waking numba's
+# workers costs more than it saves, and a woken worker spins on a core for a while after
+# (a tiny model's steps would keep a second core busy for nothing).
+PARALLEL_MIN_WORK = 1 << 17
+# OpenBLAS's worker threads spin for about this long after a product (2^28 cycles, its
+# default THREAD_TIMEOUT). A numba team started meanwhile shares a core with the spinner
+# and waits for it at every barrier: measured on SmolLM2, the one-token step right after a
+# prefill chunk took 2.7x its usual time that way, 1.7x on the calling thread alone.
+BLAS_SPIN_S = 0.1
+
+# No nnan/ninf: the running maximum of the softmax starts at -inf.
+_FASTMATH = {"nsz", "arcp", "contract", "afn", "reassoc"}
+
+_kernels = None
+_error: str | None = None
+_numba = None  # the numba module, once the kernels are built
+_last_blas = 0.0  # time.monotonic() of the last product left to OpenBLAS
+
+
+def _build():
+    global _numba
+    import numba
+    from numba import njit, prange
+
+    _numba = numba
+    # The engine thread and test threads may launch kernels concurrently: the default
+    # workqueue layer aborts on that, so ask for a thread-safe one (OpenMP or TBB).
+    numba.config.THREADING_LAYER = "threadsafe"
+
+    @njit(parallel=True, fastmath=_FASTMATH, cache=True, boundscheck=False)
+    def few_token_matmul(w, xt, out):
+        """out (o, T) = w (o, i) @ xt.T, xt (T, i) contiguous. Register blocks of four weight
+        rows by two tokens: each load of w serves two tokens, each load of xt four rows."""
+        o, i = w.shape
+        tokens = xt.shape[0]
+        for task in prange((o + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
+            r, end = task * _ROWS_PER_TASK, min(o, (task + 1) * _ROWS_PER_TASK)
+            while r + 4 <= end:
+                w0, w1, w2, w3 = w[r], w[r + 1], w[r + 2], w[r + 3]
+                t = 0
+                while t + 2 <= tokens:
+                    x0, x1 = xt[t], xt[t + 1]
+                    a00 = a01 = a10 = a11 = a20 = a21 = a30 = a31 = np.float32(0)
+                    for e in range(i):
+                        u0, u1 = x0[e], x1[e]
+                        a00 += w0[e] * u0
+                        a01 += w0[e] * u1
+                        a10 += w1[e] * u0
+                        a11 += w1[e] * u1
+                        a20 += w2[e] * u0
+                        a21 += w2[e] * u1
+                        a30 += w3[e] * u0
+                        a31 += w3[e] * u1
+                    out[r, t], out[r + 1, t], out[r + 2, t], out[r + 3, t] = a00, a10, a20, a30
+                    out[r, t + 1], out[r + 1, t + 1], out[r + 2, t + 1], out[r + 3, t + 1] = a01, a11, a21, a31
+                    t += 2
+                if t < tokens:  # an odd token count: the last token alone
+                    x0 = xt[t]
+                    a00 = a10 = a20 = a30 = np.float32(0)
+                    for e in range(i):
+                        u0 = x0[e]
+                        a00 += w0[e] * u0
+                        a10 += w1[e] * u0
+                        a20 += w2[e] * u0
+                        a30 += w3[e] * u0
+                    out[r, t], out[r + 1, t], out[r + 2, t], out[r + 3, t] = a00, a10, a20, a30
+                r += 4
+            while r < end:  # rows left over when o is not a multiple of four
+                for t in range(tokens):
+                    a = np.float32(0)
+                    for e in range(i):
+                        a += w[r, e] * xt[t, e]
+                    out[r, t] = a
+                r += 1
+
+    @njit(parallel=True, fastmath=_FASTMATH, cache=True, boundscheck=False)
+    def paged_attention(q, cache, tables, table_of, lengths, out):
+        """q (Q, heads, hd) pre-scaled; cache (2, kv_heads, blocks, block_size, hd); query n
+        attends keys 0 .. lengths[n] - 1 of the blocks tables[table_of[n]]; out (Q, heads * hd)."""
+        queries, heads, hd = q.shape
+        kv_heads, block_size = cache.shape[1], cache.shape[3]
+        group = heads // kv_heads
+        for task in prange(queries * kv_heads):
+            n, h = task // kv_heads, task % kv_heads
+            length = lengths[n]
+            table = tables[table_of[n]]
+            qg = q[n, h * group : (h + 1) * group]
+            top = np.full(group, -np.inf, dtype=np.float32)  # running max of the scores
+            den = np.zeros(group, dtype=np.float32)
+            acc = np.zeros((group, hd), dtype=np.float32)
+            p = np.empty((group, block_size), dtype=np.float32)
+            for j in range((length + block_size - 1) // block_size):
+                keys, values = cache[0, h, table[j]], cache[1, h, table[j]]
+                used = min(block_size, length - j * block_size)
+                for t in range(used):  # each key is loaded once for the whole group
+                    for g in range(group):
+                        s = np.float32(0)
+                        for e in range(hd):
+                            s += qg[g, e] * keys[t, e]
+                        p[g, t] = s
+                for g in range(group):
+                    m = top[g]
+                    for t in range(used):
+                        m = max(m, p[g, t])
+                    rescale = np.float32(math.exp(top[g] - m))
+                    top[g] = m
+                    total = den[g] * rescale
+                    for e in range(hd):
+                        acc[g, e] *= rescale
+                    for t in range(used):
+                        p[g, t] = np.float32(math.exp(p[g, t] - m))
+                        total += p[g, t]
+                    den[g] = total
+                for t in range(used):
+                    for g in range(group):
+                        pt = p[g, t]
+                        for e in range(hd):
+                            acc[g, e] += pt * values[t, e]
+            for g in range(group):
+                inv = np.float32(1) / den[g]
+                base = (h * group + g) * hd
+                for e in range(hd):
+                    out[n, base + e] = acc[g, e] * inv
+
+    return few_token_matmul, paged_attention
+
+
+def compile() -> int:
+    """Builds (or loads from numba's cache) every kernel, once per process, and runs each on
+    a tiny input of the step's types; returns how many kernels there are. Raises
+    RuntimeError when they cannot be built here."""
+    global _kernels, _error
+    if _kernels is None and _error is None:
+        try:
+            kernels = _build()
+            _smoke(*kernels)
+            _kernels = kernels
+        except Exception as exc:  # no numba, no thread-safe layer, a compiler failure
+            _error = f"{type(exc).__name__}: {exc}".splitlines()[0]
+    if _kernels is None:
+        raise RuntimeError(f"the CPU kernels are unavailable ({_error})")
+    return len(_kernels)
+
+
+def _smoke(few_token_matmul, paged_attention) -> None:
+    w = np.ones((3, 2), np.float32)
+    out = np.empty((3, 2), np.float32)
+    few_token_matmul(w, np.ones((2, 2), np.float32), out)
+    cache = np.ones((2, 1, 1, 2, 2), np.float32)
+    att = np.empty((1, 2), np.float32)
+    paged_attention(np.ones((1, 1, 2), np.float32), cache, np.zeros((1, 1), np.int64), np.zeros(1, np.int64),
+                    np.ones(1, np.int64), att)
+    if not (np.all(out == 2) and np.allclose(att, 1)):
+        raise RuntimeError("the compiled kernels gave wrong results on a known input")
+
+
+def specializations() -> int:
+    """Machine-code versions built so far, over every kernel: numba builds one per argument
+    type signature, so a step passing an unexpected type (a read-only or strided array)
+    would compile again. The driver reports any growth as a compile."""
+    return sum(len(k.signatures) for k in _kernels) if _kernels is not None else 0
+
+
+def available() -> bool:
+    try:
+        compile()
+    except RuntimeError:
+        return False
+    return True
+
+
+def unavailable_reason() -> str:
+    return "" if available() else f"CPU kernels unavailable: {_error}"
+
+
+def matmul(w: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """w (o, i) @ x (i, T), feature-major like every product of the forward."""
+    global _last_blas
+    tokens = x.shape[1]
+    large = w.size * tokens >= PARALLEL_MIN_WORK
+    if tokens not in FEW_TOKENS or _kernels is None:
+        if large:  # OpenBLAS runs it on its threads, which then spin for a while
+            _last_blas = time.monotonic()
+        return w @ x
+    out = np.empty((w.shape[0], tokens), dtype=np.float32)
+    _set_threads(large)
+    _kernels[0](w, np.ascontiguousarray(x.T), out)
+    return out
+
+
+def paged_attention(q, cache, tables, table_of, lengths, out, tokens: int = 1) -> None:
+    """See _build(); every array must already have the step's types (float32, int64).
+    `tokens`: the step's fed tokens. A few-token step runs entirely on numba's threads; a
+    larger one leaves the second core to OpenBLAS, whose threads spin between products."""
+    work = int(lengths.sum()) * q.shape[1] * q.shape[2]
+    _set_threads(tokens in FEW_TOKENS and work >= PARALLEL_MIN_WORK)
+    _kernels[1](q, cache, tables, table_of, lengths, out)
+
+
+def _set_threads(parallel: bool) -> None:
+    if parallel and time.monotonic() - _last_blas < BLAS_SPIN_S:
+        parallel = False
+    _numba.set_num_threads(_numba.config.NUMBA_NUM_THREADS if parallel else 1)
