@@ -1,5 +1,5 @@
-"""Compiled CPU kernels (numba) for the two places where NumPy and OpenBLAS leave the most
-time on the table in a decode step:
+"""Compiled CPU kernels (numba) for the places where NumPy and OpenBLAS leave the most time
+on the table in a decode step:
 
 - few_token_matmul: W @ X for 1 to 12 tokens. OpenBLAS runs 2- to 12-token products at a
   third to a half of memory speed (on SmolLM2 the products of a 2-token step took 1.9x
@@ -12,8 +12,10 @@ time on the table in a decode step:
 - paged_attention: each query attends its own row's keys in place, block by block through
   the row's block table, with an online softmax: no gathered copy of the context (the copy
   was most of a many-row step's attention), no per-row Python loop, one pass over the KV.
+- rms_scale, rope_store, silu_mul: the glue between a few-token step's products (norm,
+  rotary with the KV write, SiLU times up), one call each instead of several NumPy passes.
 
-Both are compiled once, when the driver prepares (`compile()`; the driver counts each
+All are compiled once, when the driver prepares (`compile()`; the driver counts each
 build), for the only types a step uses (float32 values, int64 indices), and cached on disk
 by numba. Without numba (or without a thread-safe threading layer) `available()` is False
 and the driver keeps its NumPy path: same results, slower.
@@ -152,7 +154,52 @@ def _build():
                 for e in range(hd):
                     out[n, base + e] = acc[g, e] * inv
 
-    return few_token_matmul, paged_attention
+    @njit(fastmath=_FASTMATH, cache=True, boundscheck=False)
+    def rms_scale(x, eps, out):
+        """out = x / rms(x) per token of a feature-major x (features, T)."""
+        features, tokens = x.shape
+        for t in range(tokens):
+            acc = np.float32(0)
+            for f in range(features):
+                acc += x[f, t] * x[f, t]
+            inv = np.float32(1) / np.float32(math.sqrt(acc / features + eps))
+            for f in range(features):
+                out[f, t] = x[f, t] * inv
+
+    @njit(fastmath=_FASTMATH, cache=True, boundscheck=False)
+    def silu_mul(gate_up, out):
+        """out = silu(gate) * up, gate_up (2 inter, T) feature-major."""
+        inter, tokens = out.shape
+        for f in range(inter):
+            for t in range(tokens):
+                g = gate_up[f, t]
+                out[f, t] = g / (np.float32(1) + np.float32(math.exp(-g))) * gate_up[inter + f, t]
+
+    @njit(fastmath=_FASTMATH, cache=True, boundscheck=False)
+    def rope_store(qkv, rope, block, offset, cache, q_out):
+        """Rotates each token's Q and K heads (adjacent pairs are one complex number; rope
+        (T, hd) holds cos, sin interleaved for each token's position), writes K and V into
+        the paged cache at (block, offset), and Q token-major into q_out (T, heads, hd)."""
+        tokens, heads, hd = q_out.shape
+        kv_heads = cache.shape[1]
+        for t in range(tokens):
+            b, o = block[t], offset[t]
+            for h in range(heads + kv_heads):
+                base = h * hd
+                for j in range(0, hd, 2):
+                    c, s = rope[t, j], rope[t, j + 1]
+                    re, im = qkv[base + j, t], qkv[base + j + 1, t]
+                    r0, r1 = re * c - im * s, re * s + im * c
+                    if h < heads:
+                        q_out[t, h, j], q_out[t, h, j + 1] = r0, r1
+                    else:
+                        cache[0, h - heads, b, o, j], cache[0, h - heads, b, o, j + 1] = r0, r1
+            vbase = (heads + kv_heads) * hd
+            for h in range(kv_heads):
+                for e in range(hd):
+                    cache[1, h, b, o, e] = qkv[vbase + h * hd + e, t]
+
+    return few_token_matmul, paged_attention, rms_scale, silu_mul, rope_store
 
 
 def compile() -> int:
@@ -172,7 +219,7 @@ def compile() -> int:
     return len(_kernels)
 
 
-def _smoke(few_token_matmul, paged_attention) -> None:
+def _smoke(few_token_matmul, paged_attention, rms_scale, silu_mul, rope_store) -> None:
     w = np.ones((3, 2), np.float32)
     out = np.empty((3, 2), np.float32)
     few_token_matmul(w, np.ones((2, 2), np.float32), out)
@@ -180,7 +227,15 @@ def _smoke(few_token_matmul, paged_attention) -> None:
     att = np.empty((1, 2), np.float32)
     paged_attention(np.ones((1, 1, 2), np.float32), cache, np.zeros((1, 1), np.int64), np.zeros(1, np.int64),
                     np.ones(1, np.int64), att)
-    if not (np.all(out == 2) and np.allclose(att, 1)):
+    norm = np.empty((2, 1), np.float32)
+    rms_scale(np.full((2, 1), 2, np.float32), np.float32(0), norm)
+    act = np.empty((1, 1), np.float32)
+    silu_mul(np.zeros((2, 1), np.float32), act)
+    q = np.empty((1, 1, 2), np.float32)
+    rope_store(np.ones((6, 1), np.float32), np.array([[0, 1]], np.float32), np.zeros(1, np.int64),
+               np.zeros(1, np.int64), cache, q)
+    if not (np.all(out == 2) and np.allclose(att, 1) and np.allclose(norm, 1) and act[0, 0] == 0
+            and np.allclose(q, [[[-1, 1]]])):
         raise RuntimeError("the compiled kernels gave wrong results on a known input")
 
 
@@ -216,6 +271,27 @@ def matmul(w: np.ndarray, x: np.ndarray) -> np.ndarray:
     _set_threads(large)
     _kernels[0](w, np.ascontiguousarray(x.T), out)
     return out
+
+
+def rms_scale(x: np.ndarray, eps: float) -> np.ndarray:
+    """x / rms(x) per token of a feature-major (features, T) float32 array."""
+    out = np.empty_like(x)
+    _kernels[2](x, np.float32(eps), out)
+    return out
+
+
+def silu_mul(gate_up: np.ndarray) -> np.ndarray:
+    """silu(gate) * up for a feature-major (2 inter, T) array of gate rows then up rows."""
+    out = np.empty((gate_up.shape[0] // 2, gate_up.shape[1]), np.float32)
+    _kernels[3](gate_up, out)
+    return out
+
+
+def rope_store(qkv, rope, block, offset, cache, heads: int) -> np.ndarray:
+    """Rotary on Q and K, K and V written to the paged cache; returns Q (T, heads, hd)."""
+    q = np.empty((qkv.shape[1], heads, cache.shape[4]), np.float32)
+    _kernels[4](qkv, rope, block, offset, cache, q)
+    return q
 
 
 def paged_attention(q, cache, tables, table_of, lengths, out, tokens: int = 1) -> None:

@@ -257,6 +257,8 @@ def forward(xp, config: LlamaConfig, model: PreparedLlama, kv: list, tokens, lay
             lengths = np.full_like(lengths, layout.paged_tables.shape[1] * layout.block_size)
         paged = (xp.asarray(layout.paged_idx), layout.paged_tables, layout.paged_table_of, lengths, layout.all_paged)
     prefills = [(first, n, ctx, xp.asarray(blocks), xp.asarray(bias)) for first, n, ctx, blocks, bias in layout.prefills]
+    if kernels is not None and layout.all_paged and t in kernels.FEW_TOKENS:
+        return _forward_paged(config, model, kv, x, layout, paged, kernels)
     for layer, cache in zip(model.layers, kv, strict=True):
         qkv = mm(layer["wqkv"], rms_scale(xp, x, eps))  # (q + 2 kv, T)
         qk = xp.ascontiguousarray(qkv[: q_size + kv_size].T)  # (T, q + kv): token-major for attention
@@ -275,4 +277,26 @@ def forward(xp, config: LlamaConfig, model: PreparedLlama, kv: list, tokens, lay
         act *= gate_up[inter:]
         x += mm(layer["w_down"], act)
     h = rms_scale(xp, x[:, xp.asarray(layout.logit_idx)], eps) * model.norm[:, None]
+    return mm(model.lm_head, h).T
+
+
+def _forward_paged(config: LlamaConfig, model: PreparedLlama, kv: list, x, layout: StepLayout, paged, kernels):
+    """forward() for a few-token step whose every token is a paged query (decode rows,
+    verification rows), on the CPU kernels: the glue between products (norms, rotary, KV
+    writes, SiLU) is one compiled call each instead of a handful of NumPy passes, which was
+    most of what a one-row step spent outside its products. Larger steps keep NumPy's
+    vectorised passes (the glue kernels run on one thread, with a scalar exp)."""
+    heads, eps = config.num_heads, config.rms_eps
+    _, tables, table_of, lengths, _ = paged
+    t = x.shape[1]
+    rope = model.rope.view(np.float32)[layout.positions]  # (T, hd): cos, sin interleaved
+    mm = kernels.matmul
+    for layer, cache in zip(model.layers, kv, strict=True):
+        qkv = mm(layer["wqkv"], kernels.rms_scale(x, eps))
+        q = kernels.rope_store(qkv, rope, layout.write_block, layout.write_offset, cache, heads)
+        a = np.empty((t, q.shape[1] * q.shape[2]), np.float32)
+        kernels.paged_attention(q, cache, tables, table_of, lengths, a, t)
+        x += mm(layer["wo"], a.T)
+        x += mm(layer["w_down"], kernels.silu_mul(mm(layer["w_gate_up"], kernels.rms_scale(x, eps))))
+    h = kernels.rms_scale(np.ascontiguousarray(x[:, layout.logit_idx]), eps) * model.norm[:, None]
     return mm(model.lm_head, h).T

@@ -115,5 +115,10 @@ def test_compiled_kernels_and_the_numpy_path_give_the_same_logits():
                  RowWork(1, np.array(ps[1][-9:-4], np.int32), len(ps[1]) - 9, tabs[1], 5),  # short: paged
                  RowWork(2, np.array(ps[2][-9:-7], np.int32), len(ps[2]) - 9, tabs[2], 2)]
         batch += [RowWork(i, np.array(ps[i][-9:-8], np.int32), len(ps[i]) - 9, tabs[i], 1) for i in range(3, 6)]
-        results.append(d.step(batch).logits)
+        mixed = d.step(batch).logits
+        # Then a step of paged queries only (the fused decode path): rows 3-5 decode their
+        # next token, row 1 verifies its last four.
+        batch = [RowWork(1, np.array(ps[1][-4:], np.int32), len(ps[1]) - 4, tabs[1], 4)]
+        batch += [RowWork(i, np.array(ps[i][-8:-7], np.int32), len(ps[i]) - 8, tabs[i], 1) for i in range(3, 6)]
+        results.append(np.concatenate([mixed, d.step(batch).logits]))
     np.testing.assert_allclose(results[0], results[1], atol=1e-4, rtol=1e-4)
