@@ -1,4 +1,4 @@
-"""The CPU driver: NumPy arrays and the host's BLAS."""
+"""The CPU driver: NumPy arrays, compiled kernels (numba) and, where installed, MKL's packed products."""
 
 from __future__ import annotations
 
@@ -32,13 +32,14 @@ class NumpyDriver(Driver):
     backend = "numpy"
 
     def __init__(self, memory_bytes: int | None = None, mutations: frozenset[str] = frozenset(),
-                 kernels: bool = True):
+                 kernels: bool = True, mkl: bool = True):
         super().__init__()
         self._memory = memory_bytes
         self.mutations = mutations  # deliberate defects, for tests that prove checks can fail
         self._last_rows = None
         self._want_kernels = kernels  # False: the plain NumPy path (tests compare the two)
-        self.kernels = None  # cpu_kernels once compiled in prepare()
+        self._want_mkl = mkl  # False: products of many tokens on NumPy's BLAS, even with MKL installed
+        self.kernels = None  # cpu_kernels.Kernels once compiled in prepare()
 
     def device(self) -> DeviceInfo:
         memory = self._memory if self._memory is not None else host_memory_bytes()
@@ -56,7 +57,9 @@ class NumpyDriver(Driver):
         if self._want_kernels and cpu_kernels.available():
             for _ in range(cpu_kernels.compile()):
                 self._built()
-            self.kernels = cpu_kernels
+            weights = [w for layer in self.model.layers for w in layer.values()] + [self.model.lm_head]
+            # Packing the weights for MKL is part of preparing them, not a compile of its own.
+            self.kernels = cpu_kernels.Kernels(weights, use_mkl=self._want_mkl)
             self._specializations = cpu_kernels.specializations()
         shape = llama.kv_cache_shape(model.config, plan.num_blocks, plan.block_size)
         # np.zeros maps pages lazily, so an unused KV pool costs no memory.

@@ -106,13 +106,13 @@ def rms_scale(xp, x, eps: float):
     return x / r
 
 
-def softmax_apply(xp, scores, values):
+def softmax_apply(xp, scores, values, matmul=None):
     """softmax(scores) @ values over the last axis of scores, in place on scores. Masked keys
     hold -inf; every query row has at least one valid key (its own position)."""
     scores -= scores.max(axis=-1, keepdims=True)
     xp.exp(scores, out=scores)
     den = scores.sum(axis=-1, keepdims=True)
-    out = xp.matmul(scores, values)
+    out = (matmul or xp.matmul)(scores, values)
     out /= den
     return out
 
@@ -219,6 +219,7 @@ def attention(xp, q, cache, paged, prefills, kv_heads: int, kernels=None):
         out[idx] = op
     if out is None:
         out = xp.empty((t, heads * hd), dtype=q.dtype)
+    bmm = kernels.batched_matmul if kernels is not None else xp.matmul
     for first, n, ctx, blocks, bias in prefills:
         kv = xp.take(cache, blocks, axis=2).reshape(2, kv_heads, -1, hd)  # (2, kvh, L, hd)
         # Long chunks go in query tiles, each against the keys up to its last position only
@@ -228,9 +229,9 @@ def attention(xp, q, cache, paged, prefills, kv_heads: int, kernels=None):
             m = i1 - i0
             keys = ctx - (n - i1)  # keys up to the tile's last position
             qp = q[first + i0 : first + i1].reshape(m, kv_heads, groups, hd).transpose(1, 2, 0, 3)
-            scores = xp.matmul(qp.reshape(kv_heads, groups * m, hd), kv[0, :, :keys].swapaxes(-1, -2))
+            scores = bmm(qp.reshape(kv_heads, groups * m, hd), kv[0, :, :keys].swapaxes(-1, -2))
             scores.reshape(kv_heads, groups, m, keys)[...] += bias[i0:i1, :keys]
-            o = softmax_apply(xp, scores, kv[1, :, :keys])  # (kvh, g * m, hd)
+            o = softmax_apply(xp, scores, kv[1, :, :keys], bmm)  # (kvh, g * m, hd)
             out[first + i0 : first + i1] = o.reshape(kv_heads, groups, m, hd).transpose(2, 0, 1, 3).reshape(m, heads * hd)
     return out
 
@@ -239,7 +240,7 @@ def forward(xp, config: LlamaConfig, model: PreparedLlama, kv: list, tokens, lay
             mask_lengths: bool = True, kernels=None):
     """Runs one step; writes each fed token's K/V into the paged caches (one kv_cache_shape()
     array per layer); returns logits (len(layout.logit_idx), vocab) as float32 on the device.
-    `kernels` (the CPU driver's cpu_kernels module, or None) supplies compiled few-token
+    `kernels` (the CPU driver's cpu_kernels.Kernels, or None) supplies compiled few-token
     products and in-place paged attention; without it every operation is the array module's."""
     heads, kvh, hd = config.num_heads, config.num_kv_heads, config.head_dim
     q_size, kv_size = heads * hd, kvh * hd

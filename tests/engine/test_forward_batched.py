@@ -83,22 +83,27 @@ def test_breaking_positions_or_masks_breaks_batched_equals_alone(mutation):
     assert np.abs(batched - alone).max() > 1e-3
 
 
-def test_compiled_kernels_and_the_numpy_path_give_the_same_logits():
-    """The CPU kernels (paged attention in place, few-token products) change how a step is
-    computed, never what: a mixed step of a prefill chunk, short multi-token rows (the
-    verification shape) and decode rows, with scattered block tables, agrees with the plain
-    NumPy path."""
-    from poot.engine.drivers import cpu_kernels
+@pytest.mark.parametrize("mkl", [False, True], ids=["blas", "mkl"])
+def test_compiled_kernels_and_the_numpy_path_give_the_same_logits(mkl, monkeypatch):
+    """The CPU kernels (paged attention in place, few-token products, MKL's packed products
+    for the many-token ones) change how a step is computed, never what: a mixed step of a
+    prefill chunk, short multi-token rows (the verification shape) and decode rows, with
+    scattered block tables, agrees with the plain NumPy path."""
+    from poot.engine.drivers import cpu_kernels, mkl_products
 
     if not cpu_kernels.available():
         pytest.skip(cpu_kernels.unavailable_reason())
+    if mkl and not mkl_products.available():
+        pytest.skip(mkl_products.unavailable_reason())
+    monkeypatch.setattr(mkl_products, "MIN_PACKED_WEIGHTS", 1)  # the tiny model's weights too
     model = synthetic_llama(5)
     drivers = []
     for kernels in (True, False):
-        d = NumpyDriver(memory_bytes=1 << 30, kernels=kernels)
+        d = NumpyDriver(memory_bytes=1 << 30, kernels=kernels, mkl=mkl)
         d.prepare(fit_plan(d.device(), model.config, 0, model.name), model)
         drivers.append(d)
     assert drivers[0].kernels is not None and drivers[1].kernels is None
+    assert (drivers[0].kernels.packed == 4 * model.config.num_layers + 1) == mkl
     rng = np.random.default_rng(4)
     blocks = rng.permutation(drivers[0].plan.num_blocks)
     ps = prompts(7, 6, lo=30, hi=70)

@@ -1,0 +1,156 @@
+"""Weight products on Intel oneMKL's packed GEMM, for the CPU driver's steps of more tokens
+than its few-token kernel takes (13 and up: many decoding rows, prefill chunks).
+
+Why MKL, and why packed: OpenBLAS (NumPy's BLAS) repacks the whole weight matrix into its
+panel layout on every call, so a 32-column product with a 576-wide input reads and writes
+the weights a second time; on SmolLM2's shapes it reached 110-210 GFLOP/s at 32 tokens,
+against 290-320 for MKL computing from weights packed once, when the driver prepares
+(`cblas_sgemm_pack`, then `cblas_sgemm_compute` every step).
+
+MKL runs on GNU OpenMP here (`MKL_Set_Threading_Layer`), the runtime numba's kernels use:
+one pool of threads for the whole step. Two pools on two cores each spin for a while after
+their work and slow the other down (a step mixing OpenBLAS products and numba's threads ran
+up to 4x slower).
+
+The library comes from the `mkl` wheel (Linux x86-64); without it `available()` is False and
+the driver keeps NumPy's BLAS for these products.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.metadata
+import threading
+
+import numpy as np
+
+_ROW_MAJOR, _NO_TRANS, _TRANS, _A_MATRIX, _PACKED = 101, 111, 112, 161, 151
+_THREADING_GNU = 3
+# Products run on a multiple of this many columns (zero-padded): MKL's packed products are
+# uneven across column counts, fastest at multiples of 16 (measured on SmolLM2's layer
+# shapes: 76 columns ran at 70-125 GFLOP/s, 80 at 170-175, 96 at 200-260).
+PAD_TOKENS = 16
+# Below this many weights a product is too small for packing to pay (and tiny test models
+# would pack thousands of matrices).
+MIN_PACKED_WEIGHTS = 1 << 16
+
+_lib = None
+_error: str | None = None
+_lock = threading.Lock()
+
+
+def _find_library() -> str:
+    try:
+        files = importlib.metadata.files("mkl") or []
+    except importlib.metadata.PackageNotFoundError:
+        raise OSError("the mkl package is not installed") from None
+    for f in files:
+        if f.name.startswith("libmkl_rt.so"):
+            return str(f.locate())
+    raise OSError("the mkl package has no libmkl_rt")
+
+
+def _load():
+    lib = ctypes.CDLL(_find_library())
+    # Before any other MKL call: the threading layer is chosen once, at the first one.
+    lib.MKL_Set_Threading_Layer.argtypes = [ctypes.c_int]
+    lib.MKL_Set_Threading_Layer(_THREADING_GNU)
+    c_int, c_ptr, c_float = ctypes.c_int, ctypes.c_void_p, ctypes.c_float
+    lib.cblas_sgemm_pack_get_size.restype = ctypes.c_size_t
+    lib.cblas_sgemm_pack_get_size.argtypes = [c_int] * 4
+    lib.cblas_sgemm_pack.argtypes = [c_int] * 6 + [c_float, c_ptr, c_int, c_ptr]
+    lib.cblas_sgemm_compute.argtypes = [c_int] * 6 + [c_ptr, c_int, c_ptr, c_int, c_float, c_ptr, c_int]
+    lib.cblas_sgemm.argtypes = [c_int] * 6 + [c_float, c_ptr, c_int, c_ptr, c_int, c_float, c_ptr, c_int]
+    return lib
+
+
+def available() -> bool:
+    """Loads MKL once per process and checks it on a known product."""
+    global _lib, _error
+    with _lock:
+        if _lib is None and _error is None:
+            try:
+                _lib = _load()
+                _smoke()
+            except Exception as exc:  # no wheel, an unloadable library, a wrong result
+                _lib = None
+                _error = f"{type(exc).__name__}: {exc}".splitlines()[0]
+    return _lib is not None
+
+
+def unavailable_reason() -> str:
+    return "" if available() else f"MKL products unavailable: {_error}"
+
+
+def _smoke() -> None:
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((40, 24), dtype=np.float32)
+    x = rng.standard_normal((24, 17), dtype=np.float32)
+    out = matmul(PackedWeight(w), x)
+    if not np.allclose(out, w @ x, atol=1e-4):
+        raise RuntimeError("packed products gave wrong results on a known input")
+
+
+class PackedWeight:
+    """A weight matrix w (o, i) in MKL's packed layout, for products w @ x with any number
+    of columns. Holds its own copy: w may be freed or changed afterwards."""
+
+    __slots__ = ("shape", "buffer")
+
+    def __init__(self, w: np.ndarray):
+        w = np.ascontiguousarray(w, dtype=np.float32)
+        o, i = w.shape
+        size = _lib.cblas_sgemm_pack_get_size(_A_MATRIX, o, 1, i)
+        self.buffer = np.empty(-(-size // 4), np.float32)
+        _lib.cblas_sgemm_pack(_ROW_MAJOR, _A_MATRIX, _NO_TRANS, o, 1, i, 1.0, w.ctypes.data, i,
+                              self.buffer.ctypes.data)
+        self.shape = (o, i)
+
+
+def matmul(w: PackedWeight, x: np.ndarray) -> np.ndarray:
+    """w @ x for x (i, T) float32; returns (o, T), a view of a wider array when T was padded."""
+    o, i = w.shape
+    tokens = x.shape[1]
+    if tokens == 0:  # MKL rejects a zero leading dimension
+        return np.empty((o, 0), np.float32)
+    width = -(-tokens // PAD_TOKENS) * PAD_TOKENS
+    if width != tokens:
+        padded = np.zeros((i, width), np.float32)
+        padded[:, :tokens] = x
+        x = padded
+    else:
+        x = np.ascontiguousarray(x, dtype=np.float32)
+    out = np.empty((o, width), np.float32)
+    _lib.cblas_sgemm_compute(_ROW_MAJOR, _PACKED, _NO_TRANS, o, width, i, w.buffer.ctypes.data, i,
+                             x.ctypes.data, width, 0.0, out.ctypes.data, width)
+    return out[:, :tokens]
+
+
+def batched_matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a @ b for float32 stacks a (n, m, k) and b (n, k, p) (either may be a transposed
+    view), one MKL product per item, so that no OpenBLAS thread runs inside a step."""
+    n, m, k = a.shape
+    p = b.shape[2]
+    out = np.empty((n, m, p), np.float32)
+    if m == 0 or p == 0:
+        return out
+    if k == 0:
+        out[...] = 0
+        return out
+    for j in range(n):
+        aj, trans_a, lda = _operand(a[j])
+        bj, trans_b, ldb = _operand(b[j])
+        _lib.cblas_sgemm(_ROW_MAJOR, trans_a, trans_b, m, p, k, 1.0, aj.ctypes.data, lda,
+                         bj.ctypes.data, ldb, 0.0, out[j].ctypes.data, p)
+    return out
+
+
+def _operand(x: np.ndarray):
+    """A row-major operand for cblas: x itself, or the contiguous array x is a transposed
+    view of (no copy), or a copy; with its transpose flag and leading dimension."""
+    if x.dtype == np.float32 and x.flags.c_contiguous:
+        return x, _NO_TRANS, x.shape[1]
+    if x.dtype == np.float32 and x.T.flags.c_contiguous:
+        return x.T, _TRANS, x.shape[0]
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    return x, _NO_TRANS, x.shape[1]

@@ -1,0 +1,90 @@
+"""MKL's packed products agree with a float64 reference for every shape the CPU driver
+gives them, and the driver's kernels send many-token products there (and few-token ones
+not)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from poot.engine.drivers import cpu_kernels, mkl_products
+
+needs_mkl = pytest.mark.skipif(not mkl_products.available(), reason=mkl_products.unavailable_reason())
+
+
+def _mkl_installed() -> bool:
+    try:
+        importlib.metadata.distribution("mkl")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _mkl_installed(), reason="the mkl wheel is not installed (not a Linux x86-64 machine)")
+def test_installed_mkl_loads_and_passes_its_known_product():
+    """Where the project's dependencies brought the mkl wheel, the products must load: a
+    library that fails its smoke product would otherwise only turn the MKL tests into skips."""
+    assert mkl_products.available(), mkl_products.unavailable_reason()
+
+
+@needs_mkl
+@settings(max_examples=40, deadline=None)
+@given(o=st.integers(1, 300), i=st.integers(1, 200), tokens=st.integers(0, 90), seed=st.integers(0, 2**16))
+def test_packed_products_match_a_float64_reference(o, i, tokens, seed):
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((o, i), dtype=np.float32)
+    x = rng.standard_normal((i, tokens), dtype=np.float32)
+    ref = w.astype(np.float64) @ x
+    packed = mkl_products.PackedWeight(w)
+    w[...] = 0  # the packed copy is the packing's own
+    got = mkl_products.matmul(packed, x)
+    assert got.shape == (o, tokens)
+    np.testing.assert_allclose(got, ref, atol=1e-3, rtol=1e-4)
+
+
+@needs_mkl
+def test_packed_products_take_strided_inputs():
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((64, 48), dtype=np.float32)
+    a = rng.standard_normal((20, 48), dtype=np.float32)
+    np.testing.assert_allclose(mkl_products.matmul(mkl_products.PackedWeight(w), a.T), w @ a.T, atol=1e-4)
+
+
+@needs_mkl
+@pytest.mark.parametrize("transpose_a", [False, True])
+@pytest.mark.parametrize("transpose_b", [False, True])
+def test_batched_products_match_numpy_for_plain_and_transposed_views(transpose_a, transpose_b):
+    rng = np.random.default_rng(2)
+    a = rng.standard_normal((3, 37, 16), dtype=np.float32)
+    b = rng.standard_normal((3, 16, 29), dtype=np.float32)
+    if transpose_a:
+        a = np.ascontiguousarray(a.swapaxes(1, 2)).swapaxes(1, 2)
+    if transpose_b:
+        b = np.ascontiguousarray(b.swapaxes(1, 2)).swapaxes(1, 2)
+    np.testing.assert_allclose(mkl_products.batched_matmul(a, b), np.matmul(a, b), atol=1e-4)
+    assert mkl_products.batched_matmul(a[:, :0], b).shape == (3, 0, 29)
+
+
+@needs_mkl
+def test_the_kernels_send_many_token_products_to_mkl_and_few_token_ones_not(monkeypatch):
+    if not cpu_kernels.available():
+        pytest.skip(cpu_kernels.unavailable_reason())
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((512, 256), dtype=np.float32)  # above MIN_PACKED_WEIGHTS
+    small = rng.standard_normal((8, 8), dtype=np.float32)
+    kernels = cpu_kernels.Kernels([w, small])
+    assert kernels.packed == 1
+    calls = []
+    real = mkl_products.matmul
+    monkeypatch.setattr(mkl_products, "matmul", lambda p, x: calls.append(x.shape[1]) or real(p, x))
+    for tokens in (1, max(cpu_kernels.FEW_TOKENS), max(cpu_kernels.FEW_TOKENS) + 1, 64):
+        x = rng.standard_normal((256, tokens), dtype=np.float32)
+        np.testing.assert_allclose(kernels.matmul(w, x), w.astype(np.float64) @ x, atol=1e-3, rtol=1e-4)
+    assert calls == [max(cpu_kernels.FEW_TOKENS) + 1, 64]
+    copy = w.copy()  # equal values, another array: not the packed one
+    kernels.matmul(copy, rng.standard_normal((256, 20), dtype=np.float32))
+    assert calls == [max(cpu_kernels.FEW_TOKENS) + 1, 64]
