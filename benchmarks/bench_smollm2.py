@@ -117,7 +117,7 @@ class Bench:
         self.config = model.config
         self.context = context
         self.driver = NumpyDriver()
-        weight_bytes = sum(w.nbytes for w in model.weights.values())
+        weight_bytes = self.driver.weight_bytes(model)
         self.plan = fit_plan(self.driver.device(), model.config, weight_bytes, model.name)
         t = time.perf_counter()
         self.driver.prepare(self.plan, model)

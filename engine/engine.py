@@ -90,8 +90,7 @@ class Engine:
         from .drivers import make_driver
 
         driver = driver or make_driver(backend, mutations)
-        weight_bytes = sum(w.nbytes for w in model.weights.values())
-        plan = fit_plan(driver.device(), model.config, weight_bytes, model.name)
+        plan = fit_plan(driver.device(), model.config, driver.weight_bytes(model), model.name)
         driver.prepare(plan, model)
         draft_policy = None
         if draft and draft != "none":

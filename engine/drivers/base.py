@@ -57,6 +57,11 @@ class Driver(ABC):
     @abstractmethod
     def device(self) -> DeviceInfo: ...
 
+    def weight_bytes(self, model) -> int:
+        """Device memory the model's weights will take once prepared, for fitting the plan
+        before prepare() runs: the weights themselves, plus any copy a driver keeps."""
+        return sum(w.nbytes for w in model.weights.values())
+
     @abstractmethod
     def prepare(self, plan: Plan, model) -> None:
         """Builds every entry a step will use (weights, caches, kernels)."""

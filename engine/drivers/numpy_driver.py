@@ -8,7 +8,7 @@ import numpy as np
 
 from ..models import llama, mamba
 from ..plan import DeviceInfo, Plan
-from . import cpu_kernels
+from . import cpu_kernels, mkl_products
 from .base import Driver, RowWork, StepOutput
 
 CPU_ROWS = 32  # rows a CPU steps at far less than 32x the cost of one (weights read once)
@@ -44,6 +44,16 @@ class NumpyDriver(Driver):
     def device(self) -> DeviceInfo:
         memory = self._memory if self._memory is not None else host_memory_bytes()
         return DeviceInfo("numpy", "cpu", memory, CPU_ROWS)
+
+    def weight_bytes(self, model) -> int:
+        """The weights, plus MKL's packed copy of every large matrix when the products will
+        run there (the few-token kernel still reads the originals)."""
+        total = super().weight_bytes(model)
+        if (self._want_kernels and self._want_mkl and model.config.family != "mamba"
+                and cpu_kernels.available() and mkl_products.available()):
+            total += sum(w.nbytes for w in model.weights.values()
+                         if w.ndim == 2 and w.size >= mkl_products.MIN_PACKED_WEIGHTS)
+        return total
 
     def prepare(self, plan: Plan, model) -> None:
         self.plan = plan

@@ -88,3 +88,20 @@ def test_the_kernels_send_many_token_products_to_mkl_and_few_token_ones_not(monk
     copy = w.copy()  # equal values, another array: not the packed one
     kernels.matmul(copy, rng.standard_normal((256, 20), dtype=np.float32))
     assert calls == [max(cpu_kernels.FEW_TOKENS) + 1, 64]
+
+
+@needs_mkl
+def test_the_plan_counts_the_packed_copies_of_the_weights(monkeypatch):
+    """The packed copies live beside the originals (the few-token kernel reads those), so
+    the memory the plan fits the KV pool into must leave room for both."""
+    from poot.engine.drivers.numpy_driver import NumpyDriver
+    from poot.engine.models.synthetic import synthetic_llama
+
+    if not cpu_kernels.available():
+        pytest.skip(cpu_kernels.unavailable_reason())
+    monkeypatch.setattr(mkl_products, "MIN_PACKED_WEIGHTS", 1)
+    model = synthetic_llama(5)
+    raw = sum(w.nbytes for w in model.weights.values())
+    matrices = sum(w.nbytes for w in model.weights.values() if w.ndim == 2)
+    assert NumpyDriver(mkl=False).weight_bytes(model) == raw
+    assert NumpyDriver().weight_bytes(model) == raw + matrices
