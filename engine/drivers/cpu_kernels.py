@@ -12,8 +12,16 @@ on the table in a decode step:
 - paged_attention: each query attends its own row's keys in place, block by block through
   the row's block table, with an online softmax: no gathered copy of the context (the copy
   was most of a many-row step's attention), no per-row Python loop, one pass over the KV.
-- rms_scale, rope_store, silu_mul: the glue between a few-token step's products (norm,
-  rotary with the KV write, SiLU times up), one call each instead of several NumPy passes.
+- causal_softmax: a prefill tile's softmax in one parallel pass per row, the causal mask
+  implied by each row's position (no bias array): NumPy's five passes on one thread (bias,
+  max, subtract, exp, sum) were more than half of a 512-token prompt's attention.
+- rms_scale, rope_store, silu_mul: the glue between a step's products (norm, rotary with the
+  KV write, SiLU times up), one call each instead of several NumPy passes; split across
+  threads when a step has many tokens.
+
+LLVM has no vector exp here (numba's SVML path needs Intel's patched LLVM), so the kernels
+use their own: a float32 Cephes-style polynomial whose 2^n is built from exponent bits,
+which vectorizes (about 10x a scalar libm call per element).
 
 All are compiled once, when the driver prepares (`compile()`; the driver counts each
 build), for the only types a step uses (float32 values, int64 indices), and cached on disk
@@ -32,10 +40,12 @@ from . import mkl_products
 
 FEW_TOKENS = range(1, 13)  # token counts few_token_matmul takes over from BLAS (measured crossover)
 _ROWS_PER_TASK = 32  # weight rows per parallel task: enough work to hide the task's start-up
+_TOKEN_RUN = 64  # tokens per task of the glue kernels: inner loops long enough to vectorize
 # Multiply-adds below which a kernel runs on the calling thread alone: waking numba's
 # workers costs more than it saves, and a woken worker spins on a core for a while after
 # (a tiny model's steps would keep a second core busy for nothing).
 PARALLEL_MIN_WORK = 1 << 17
+GLUE_PARALLEL_MIN = 1 << 15  # elements below which a glue kernel (norm, rotary, SiLU, softmax) runs serially
 # OpenBLAS's worker threads spin for about this long after a product (2^28 cycles, its
 # default THREAD_TIMEOUT). A numba team started meanwhile shares a core with the spinner
 # and waits for it at every barrier: measured on SmolLM2, the one-token step right after a
@@ -63,6 +73,32 @@ def _build():
     # products run on GNU OpenMP too (mkl_products), and one pool never waits for the other.
     numba.config.THREADING_LAYER = "threadsafe"
     numba.config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]
+
+    from llvmlite import ir
+    from numba import types
+    from numba.extending import intrinsic
+
+    @intrinsic
+    def float_from_bits(typingctx, bits):
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(args[0], ir.FloatType())
+        return types.float32(types.int32), codegen
+
+    @njit(inline="always", fastmath=_FASTMATH)
+    def exp(x):
+        """float32 e^x, relative error under 1e-6; inputs outside [-87, 88] saturate there
+        (so e^-inf is about 1e-38, not 0: callers that need an exact 0 mask explicitly)."""
+        x = min(max(x, np.float32(-87.0)), np.float32(88.0))
+        n = np.float32(np.floor(x * np.float32(1.44269504) + np.float32(0.5)))
+        r = x - n * np.float32(0.693359375) + n * np.float32(2.12194440e-4)  # x - n ln2, in two parts
+        p = np.float32(1.9875691500e-4)
+        p = p * r + np.float32(1.3981999507e-3)
+        p = p * r + np.float32(8.3334519073e-3)
+        p = p * r + np.float32(4.1665795894e-2)
+        p = p * r + np.float32(1.6666665459e-1)
+        p = p * r + np.float32(5.0000001201e-1)
+        p = p * r * r + r + np.float32(1)
+        return p * float_from_bits((np.int32(n) + np.int32(127)) << np.int32(23))  # times 2^n
 
     @njit(parallel=True, fastmath=_FASTMATH, cache=True, boundscheck=False)
     def few_token_matmul(w, xt, out):
@@ -145,7 +181,7 @@ def _build():
                     for e in range(hd):
                         acc[g, e] *= rescale
                     for t in range(used):
-                        p[g, t] = np.float32(math.exp(p[g, t] - m))
+                        p[g, t] = exp(p[g, t] - m)
                         total += p[g, t]
                     den[g] = total
                 for t in range(used):
@@ -159,52 +195,102 @@ def _build():
                 for e in range(hd):
                     out[n, base + e] = acc[g, e] * inv
 
-    @njit(fastmath=_FASTMATH, cache=True, boundscheck=False)
-    def rms_scale(x, eps, out):
-        """out = x / rms(x) per token of a feature-major x (features, T)."""
-        features, tokens = x.shape
-        for t in range(tokens):
-            acc = np.float32(0)
-            for f in range(features):
-                acc += x[f, t] * x[f, t]
-            inv = np.float32(1) / np.float32(math.sqrt(acc / features + eps))
-            for f in range(features):
-                out[f, t] = x[f, t] * inv
+    # The glue kernels give each thread runs of _TOKEN_RUN tokens and keep their inner loops
+    # along contiguous tokens. They index from a run's start with unsigned integers: with a
+    # signed index numba adds a negative-index fix-up that stops LLVM from vectorizing
+    # (measured: 3-4x slower), and a serial helper keeps the loops out of the parallel
+    # region's body, where they did not vectorize either. (SiLU's rows start at 0: no need.)
 
     @njit(fastmath=_FASTMATH, cache=True, boundscheck=False)
+    def rms_run(x, eps, out, t0, n):
+        features = x.shape[0]
+        base = np.uint64(t0)
+        acc = np.zeros(n, np.float32)
+        for f in range(features):
+            for t in range(n):
+                v = x[f, base + np.uint64(t)]
+                acc[t] += v * v
+        for t in range(n):
+            acc[t] = np.float32(1) / np.float32(math.sqrt(acc[t] / features + eps))
+        for f in range(features):
+            for t in range(n):
+                out[f, base + np.uint64(t)] = x[f, base + np.uint64(t)] * acc[t]
+
+    @njit(parallel=True, fastmath=_FASTMATH, cache=True, boundscheck=False)
+    def rms_scale(x, eps, out):
+        """out = x / rms(x) per token of a feature-major x (features, T)."""
+        tokens = x.shape[1]
+        for run in prange((tokens + _TOKEN_RUN - 1) // _TOKEN_RUN):
+            rms_run(x, eps, out, run * _TOKEN_RUN, min(_TOKEN_RUN, tokens - run * _TOKEN_RUN))
+
+    @njit(parallel=True, fastmath=_FASTMATH, cache=True, boundscheck=False)
     def silu_mul(gate_up, out):
         """out = silu(gate) * up, gate_up (2 inter, T) feature-major."""
         inter, tokens = out.shape
-        for f in range(inter):
+        for f in prange(inter):
             for t in range(tokens):
                 g = gate_up[f, t]
-                out[f, t] = g / (np.float32(1) + np.float32(math.exp(-g))) * gate_up[inter + f, t]
+                out[f, t] = g / (np.float32(1) + exp(-g)) * gate_up[inter + f, t]
 
     @njit(fastmath=_FASTMATH, cache=True, boundscheck=False)
+    def rope_run(qkv, rope, block, offset, cache, q_out, t0, n):
+        heads, hd = q_out.shape[1], q_out.shape[2]
+        kv_heads = cache.shape[1]
+        base = np.uint64(t0)
+        for h in range(heads + kv_heads):
+            for j in range(0, hd, 2):
+                for t in range(n):
+                    u = base + np.uint64(t)
+                    c, s = rope[u, j], rope[u, j + 1]
+                    re, im = qkv[h * hd + j, u], qkv[h * hd + j + 1, u]
+                    r0, r1 = re * c - im * s, re * s + im * c
+                    if h < heads:
+                        q_out[u, h, j], q_out[u, h, j + 1] = r0, r1
+                    else:
+                        b, o = block[u], offset[u]
+                        cache[0, h - heads, b, o, j], cache[0, h - heads, b, o, j + 1] = r0, r1
+        vbase = (heads + kv_heads) * hd
+        for h in range(kv_heads):
+            for e in range(hd):
+                for t in range(n):
+                    u = base + np.uint64(t)
+                    cache[1, h, block[u], offset[u], e] = qkv[vbase + h * hd + e, u]
+
+    @njit(parallel=True, fastmath=_FASTMATH, cache=True, boundscheck=False)
     def rope_store(qkv, rope, block, offset, cache, q_out):
         """Rotates each token's Q and K heads (adjacent pairs are one complex number; rope
         (T, hd) holds cos, sin interleaved for each token's position), writes K and V into
-        the paged cache at (block, offset), and Q token-major into q_out (T, heads, hd)."""
-        tokens, heads, hd = q_out.shape
-        kv_heads = cache.shape[1]
-        for t in range(tokens):
-            b, o = block[t], offset[t]
-            for h in range(heads + kv_heads):
-                base = h * hd
-                for j in range(0, hd, 2):
-                    c, s = rope[t, j], rope[t, j + 1]
-                    re, im = qkv[base + j, t], qkv[base + j + 1, t]
-                    r0, r1 = re * c - im * s, re * s + im * c
-                    if h < heads:
-                        q_out[t, h, j], q_out[t, h, j + 1] = r0, r1
-                    else:
-                        cache[0, h - heads, b, o, j], cache[0, h - heads, b, o, j + 1] = r0, r1
-            vbase = (heads + kv_heads) * hd
-            for h in range(kv_heads):
-                for e in range(hd):
-                    cache[1, h, b, o, e] = qkv[vbase + h * hd + e, t]
+        the paged cache at (block, offset), and Q token-major into q_out (T, heads, hd).
+        Runs of tokens go to threads independently: no two tokens of a step share a slot."""
+        tokens = q_out.shape[0]
+        for run in prange((tokens + _TOKEN_RUN - 1) // _TOKEN_RUN):
+            rope_run(qkv, rope, block, offset, cache, q_out, run * _TOKEN_RUN,
+                     min(_TOKEN_RUN, tokens - run * _TOKEN_RUN))
 
-    return few_token_matmul, paged_attention, rms_scale, silu_mul, rope_store
+    @njit(parallel=True, fastmath=_FASTMATH, cache=True, boundscheck=False)
+    def causal_softmax(scores, m, inv):
+        """In place on scores (stacks, rows, keys), row r being query r % m of a tile of m
+        queries whose last query sees every key: query i sees the first keys - (m - 1 - i).
+        Seen keys get e^(s - max), unseen ones exactly 0; inv (stacks, rows) gets
+        1 / the row's sum, applied after the value product (fewer multiplies)."""
+        stacks, rows, keys = scores.shape
+        for task in prange(stacks * rows):
+            b, r = task // rows, task % rows
+            row = scores[b, r]
+            seen = keys - (m - 1 - r % m)
+            top = row[0]
+            for k in range(1, seen):
+                top = max(top, row[k])
+            total = np.float32(0)
+            for k in range(seen):
+                v = exp(row[k] - top)
+                row[k] = v
+                total += v
+            for k in range(seen, keys):
+                row[k] = np.float32(0)
+            inv[b, r] = np.float32(1) / total
+
+    return few_token_matmul, paged_attention, rms_scale, silu_mul, rope_store, causal_softmax
 
 
 def _prefer_wide_vectors(numba) -> None:
@@ -239,7 +325,7 @@ def compile() -> int:
     return len(_kernels)
 
 
-def _smoke(few_token_matmul, paged_attention, rms_scale, silu_mul, rope_store) -> None:
+def _smoke(few_token_matmul, paged_attention, rms_scale, silu_mul, rope_store, causal_softmax) -> None:
     w = np.ones((3, 2), np.float32)
     out = np.empty((3, 2), np.float32)
     few_token_matmul(w, np.ones((2, 2), np.float32), out)
@@ -254,8 +340,12 @@ def _smoke(few_token_matmul, paged_attention, rms_scale, silu_mul, rope_store) -
     q = np.empty((1, 1, 2), np.float32)
     rope_store(np.ones((6, 1), np.float32), np.array([[0, 1]], np.float32), np.zeros(1, np.int64),
                np.zeros(1, np.int64), cache, q)
+    scores = np.zeros((1, 2, 2), np.float32)
+    inv = np.empty((1, 2), np.float32)
+    causal_softmax(scores, 2, inv)
     if not (np.all(out == 2) and np.allclose(att, 1) and np.allclose(norm, 1) and act[0, 0] == 0
-            and np.allclose(q, [[[-1, 1]]])):
+            and np.allclose(q, [[[-1, 1]]]) and np.allclose(scores, [[[1, 0], [1, 1]]])
+            and np.allclose(inv, [[1, 0.5]])):
         raise RuntimeError("the compiled kernels gave wrong results on a known input")
 
 
@@ -296,9 +386,25 @@ def matmul(w: np.ndarray, x: np.ndarray, packed=None) -> np.ndarray:
     return out
 
 
+def _rows_of(a: np.ndarray) -> np.ndarray:
+    """A C-contiguous array whose leading columns are `a`, for kernels that read only the
+    columns they are told: `a` itself, or the array it is the leading columns of (MKL's
+    products return such a view of their padded result). Passing views would make numba
+    build a second, strided version of the kernel in the middle of serving."""
+    if a.flags.c_contiguous:
+        return a
+    base = a.base
+    if (isinstance(base, np.ndarray) and base.flags.c_contiguous and base.ndim == 2 and base.dtype == a.dtype
+            and base.shape[0] == a.shape[0] and base.shape[1] >= a.shape[1] and a.strides == base.strides
+            and a.ctypes.data == base.ctypes.data):
+        return base
+    return np.ascontiguousarray(a)
+
+
 def rms_scale(x: np.ndarray, eps: float) -> np.ndarray:
     """x / rms(x) per token of a feature-major (features, T) float32 array."""
     out = np.empty_like(x)
+    _set_threads(x.size >= GLUE_PARALLEL_MIN)
     _kernels[2](x, np.float32(eps), out)
     return out
 
@@ -306,15 +412,27 @@ def rms_scale(x: np.ndarray, eps: float) -> np.ndarray:
 def silu_mul(gate_up: np.ndarray) -> np.ndarray:
     """silu(gate) * up for a feature-major (2 inter, T) array of gate rows then up rows."""
     out = np.empty((gate_up.shape[0] // 2, gate_up.shape[1]), np.float32)
-    _kernels[3](gate_up, out)
+    _set_threads(gate_up.size >= GLUE_PARALLEL_MIN)
+    _kernels[3](_rows_of(gate_up), out)
     return out
 
 
 def rope_store(qkv, rope, block, offset, cache, heads: int) -> np.ndarray:
     """Rotary on Q and K, K and V written to the paged cache; returns Q (T, heads, hd)."""
     q = np.empty((qkv.shape[1], heads, cache.shape[4]), np.float32)
-    _kernels[4](qkv, rope, block, offset, cache, q)
+    _set_threads(qkv.size >= GLUE_PARALLEL_MIN)
+    _kernels[4](_rows_of(qkv), rope, block, offset, cache, q)
     return q
+
+
+def causal_softmax(scores: np.ndarray, m: int) -> np.ndarray:
+    """Softmax in place over the last axis of a prefill tile's scores (stacks, rows, keys),
+    row r being query r % m of m queries, each seeing keys up to its own position; returns
+    (stacks, rows) 1 / each row's sum, for the caller to apply after the value product."""
+    inv = np.empty(scores.shape[:2], np.float32)
+    _set_threads(scores.size >= GLUE_PARALLEL_MIN)
+    _kernels[5](scores, np.int64(m), inv)
+    return inv
 
 
 def paged_attention(q, cache, tables, table_of, lengths, out, tokens: int = 1, shared_pool: bool = False) -> None:
@@ -343,6 +461,7 @@ class Kernels:
     rms_scale = staticmethod(rms_scale)
     silu_mul = staticmethod(silu_mul)
     rope_store = staticmethod(rope_store)
+    causal_softmax = staticmethod(causal_softmax)
     specializations = staticmethod(specializations)
 
     def __init__(self, weights, use_mkl: bool = True):

@@ -106,13 +106,13 @@ def rms_scale(xp, x, eps: float):
     return x / r
 
 
-def softmax_apply(xp, scores, values, matmul=None):
+def softmax_apply(xp, scores, values):
     """softmax(scores) @ values over the last axis of scores, in place on scores. Masked keys
     hold -inf; every query row has at least one valid key (its own position)."""
     scores -= scores.max(axis=-1, keepdims=True)
     xp.exp(scores, out=scores)
     den = scores.sum(axis=-1, keepdims=True)
-    out = (matmul or xp.matmul)(scores, values)
+    out = xp.matmul(scores, values)
     out /= den
     return out
 
@@ -230,8 +230,13 @@ def attention(xp, q, cache, paged, prefills, kv_heads: int, kernels=None):
             keys = ctx - (n - i1)  # keys up to the tile's last position
             qp = q[first + i0 : first + i1].reshape(m, kv_heads, groups, hd).transpose(1, 2, 0, 3)
             scores = bmm(qp.reshape(kv_heads, groups * m, hd), kv[0, :, :keys].swapaxes(-1, -2))
-            scores.reshape(kv_heads, groups, m, keys)[...] += bias[i0:i1, :keys]
-            o = softmax_apply(xp, scores, kv[1, :, :keys], bmm)  # (kvh, g * m, hd)
+            if kernels is not None:  # the causal mask is implied by each query's position
+                inv = kernels.causal_softmax(scores, m)
+                o = bmm(scores, kv[1, :, :keys])
+                o *= inv[..., None]
+            else:
+                scores.reshape(kv_heads, groups, m, keys)[...] += bias[i0:i1, :keys]
+                o = softmax_apply(xp, scores, kv[1, :, :keys])  # (kvh, g * m, hd)
             out[first + i0 : first + i1] = o.reshape(kv_heads, groups, m, hd).transpose(2, 0, 1, 3).reshape(m, heads * hd)
     return out
 
@@ -258,8 +263,8 @@ def forward(xp, config: LlamaConfig, model: PreparedLlama, kv: list, tokens, lay
             lengths = np.full_like(lengths, layout.paged_tables.shape[1] * layout.block_size)
         paged = (xp.asarray(layout.paged_idx), layout.paged_tables, layout.paged_table_of, lengths, layout.all_paged)
     prefills = [(first, n, ctx, xp.asarray(blocks), xp.asarray(bias)) for first, n, ctx, blocks, bias in layout.prefills]
-    if kernels is not None and layout.all_paged and t in kernels.FEW_TOKENS:
-        return _forward_paged(config, model, kv, x, layout, paged, kernels)
+    if kernels is not None:
+        return _forward_kernels(config, model, kv, x, layout, paged, prefills, kernels)
     for layer, cache in zip(model.layers, kv, strict=True):
         qkv = mm(layer["wqkv"], rms_scale(xp, x, eps))  # (q + 2 kv, T)
         qk = xp.ascontiguousarray(qkv[: q_size + kv_size].T)  # (T, q + kv): token-major for attention
@@ -281,22 +286,19 @@ def forward(xp, config: LlamaConfig, model: PreparedLlama, kv: list, tokens, lay
     return mm(model.lm_head, h).T
 
 
-def _forward_paged(config: LlamaConfig, model: PreparedLlama, kv: list, x, layout: StepLayout, paged, kernels):
-    """forward() for a few-token step whose every token is a paged query (decode rows,
-    verification rows), on the CPU kernels: the glue between products (norms, rotary, KV
-    writes, SiLU) is one compiled call each instead of a handful of NumPy passes, which was
-    most of what a one-row step spent outside its products. Larger steps keep NumPy's
-    vectorised passes (the glue kernels run on one thread, with a scalar exp)."""
-    heads, eps = config.num_heads, config.rms_eps
-    _, tables, table_of, lengths, _ = paged
-    t = x.shape[1]
+def _forward_kernels(config: LlamaConfig, model: PreparedLlama, kv: list, x, layout: StepLayout, paged,
+                     prefills, kernels):
+    """forward() on the CPU driver's kernels: the glue between products (norms, rotary with
+    the KV write, SiLU) is one compiled call each instead of a handful of NumPy passes
+    (most of what a one-row step spent outside its products, and a sixth of a long
+    prompt's step), split across threads when the step has many tokens."""
+    heads, kvh, eps = config.num_heads, config.num_kv_heads, config.rms_eps
     rope = model.rope.view(np.float32)[layout.positions]  # (T, hd): cos, sin interleaved
     mm = kernels.matmul
     for layer, cache in zip(model.layers, kv, strict=True):
         qkv = mm(layer["wqkv"], kernels.rms_scale(x, eps))
         q = kernels.rope_store(qkv, rope, layout.write_block, layout.write_offset, cache, heads)
-        a = np.empty((t, q.shape[1] * q.shape[2]), np.float32)
-        kernels.paged_attention(q, cache, tables, table_of, lengths, a, t)
+        a = attention(np, q, cache, paged, prefills, kvh, kernels)  # (T, heads * hd)
         x += mm(layer["wo"], a.T)
         x += mm(layer["w_down"], kernels.silu_mul(mm(layer["w_gate_up"], kernels.rms_scale(x, eps))))
     h = kernels.rms_scale(np.ascontiguousarray(x[:, layout.logit_idx]), eps) * model.norm[:, None]

@@ -84,3 +84,71 @@ def test_matmul_outside_the_few_token_range_is_blas():
     for tokens in (max(cpu_kernels.FEW_TOKENS) + 1, 40):
         x = rng.standard_normal((32, tokens), dtype=np.float32)
         np.testing.assert_array_equal(cpu_kernels.matmul(w, x), w @ x)
+
+
+def reference_causal_softmax(scores, m):
+    """float64: row r of each stack is query r % m of a tile whose last query sees every key
+    and whose query i sees keys - (m - 1 - i) of them."""
+    keys = scores.shape[2]
+    valid = keys - (m - 1 - np.arange(scores.shape[1]) % m)
+    masked = np.where(np.arange(keys)[None, :] < valid[:, None], scores.astype(np.float64), -np.inf)
+    p = np.exp(masked - masked.max(axis=-1, keepdims=True))
+    return p, 1.0 / p.sum(axis=-1)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), stacks=st.integers(1, 3), group=st.integers(1, 3),
+       m=st.integers(1, 40), earlier=st.integers(0, 50), scale=st.sampled_from([0.1, 10.0, 80.0]))
+def test_causal_softmax_matches_reference(seed, stacks, group, m, earlier, scale):
+    rng = np.random.default_rng(seed)
+    keys = earlier + m
+    scores = (rng.standard_normal((stacks, group * m, keys)) * scale).astype(np.float32)
+    p, inv = reference_causal_softmax(scores, m)
+    got_inv = cpu_kernels.causal_softmax(scores, m)
+    # Masked keys come out exactly zero: the value product that follows reads every column.
+    assert np.all(scores[p == 0] == 0)
+    np.testing.assert_allclose(scores, p, atol=1e-6, rtol=1e-5)
+    np.testing.assert_allclose(got_inv, inv, rtol=1e-5)
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 33, 300])
+def test_glue_kernels_match_numpy(tokens):
+    """rms_scale and silu_mul, serial for a few tokens and split across threads for many,
+    agree with NumPy, silu over the whole float32 range of its exp (saturating, no inf/nan)."""
+    rng = np.random.default_rng(tokens)
+    x = (rng.standard_normal((96, tokens)) * 3).astype(np.float32)
+    want = x / np.sqrt((x.astype(np.float64) ** 2).mean(axis=0, keepdims=True) + 1e-5)
+    np.testing.assert_allclose(cpu_kernels.rms_scale(x, 1e-5), want, rtol=1e-5, atol=1e-6)
+    gate_up = (rng.standard_normal((2 * 40, tokens)) * 30).astype(np.float32)
+    gate_up[0, 0], gate_up[1, 0] = 200.0, -200.0  # exp(-g) past float32's range either way
+    g = gate_up[:40].astype(np.float64)
+    want = g / (1 + np.exp(-g)) * gate_up[40:]
+    got = cpu_kernels.silu_mul(gate_up)
+    assert np.all(np.isfinite(got))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    # The leading columns of a wider array (MKL's padded products): same result, and no
+    # second version of the kernel for the strided layout.
+    built = cpu_kernels.specializations()
+    wide = np.full((gate_up.shape[0], tokens + 11), np.nan, np.float32)
+    wide[:, :tokens] = gate_up
+    np.testing.assert_array_equal(cpu_kernels.silu_mul(wide[:, :tokens]), got)
+    assert cpu_kernels.specializations() == built
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 200])
+def test_rope_store_rotates_q_and_k_and_writes_the_cache(tokens):
+    rng = np.random.default_rng(tokens)
+    heads, kvh, hd, block_size = 6, 2, 8, 4
+    qkv = rng.standard_normal(((heads + 2 * kvh) * hd, tokens)).astype(np.float32)
+    angles = rng.uniform(0, 6.3, (tokens, hd // 2))
+    rope = np.stack([np.cos(angles), np.sin(angles)], axis=-1).reshape(tokens, hd).astype(np.float32)
+    slots = rng.permutation(64 * block_size)[:tokens]
+    block, offset = (slots // block_size).astype(np.int64), (slots % block_size).astype(np.int64)
+    cache = np.zeros((2, kvh, 64, block_size, hd), np.float32)
+    q = cpu_kernels.rope_store(qkv, rope, block, offset, cache, heads)
+    rot = np.exp(1j * angles)[:, None, :]
+    heads_of = np.ascontiguousarray(qkv.T).reshape(tokens, heads + 2 * kvh, hd)
+    rotated = (np.ascontiguousarray(heads_of[:, : heads + kvh], np.float64).view(np.complex128) * rot).view(np.float64)
+    np.testing.assert_allclose(q, rotated[:, :heads], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(cache[0][:, block, offset], rotated[:, heads:].transpose(1, 0, 2), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(cache[1][:, block, offset], heads_of[:, heads + kvh:].transpose(1, 0, 2))
