@@ -61,6 +61,8 @@ def _load():
     lib.cblas_sgemm_pack.argtypes = [c_int] * 6 + [c_float, c_ptr, c_int, c_ptr]
     lib.cblas_sgemm_compute.argtypes = [c_int] * 6 + [c_ptr, c_int, c_ptr, c_int, c_float, c_ptr, c_int]
     lib.cblas_sgemm.argtypes = [c_int] * 6 + [c_float, c_ptr, c_int, c_ptr, c_int, c_float, c_ptr, c_int]
+    lib.cblas_sgemm_batch_strided.argtypes = ([c_int] * 6 + [c_float] + [c_ptr, c_int, c_int] * 2
+                                              + [c_float, c_ptr, c_int, c_int, c_int])
     return lib
 
 
@@ -127,30 +129,36 @@ def matmul(w: PackedWeight, x: np.ndarray) -> np.ndarray:
 
 
 def batched_matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """a @ b for float32 stacks a (n, m, k) and b (n, k, p) (either may be a transposed
-    view), one MKL product per item, so that no OpenBLAS thread runs inside a step."""
+    """a @ b for float32 stacks a (n, m, k) and b (n, k, p), in one MKL call for the whole
+    stack (one start of the thread team, not one per item), so that no OpenBLAS thread runs
+    inside a step. Either operand may be a view: items that are plain or transposed
+    matrices with any row spacing, spaced evenly (a head's keys up to a tile's end, out of
+    its whole context), are read in place."""
     n, m, k = a.shape
     p = b.shape[2]
     out = np.empty((n, m, p), np.float32)
-    if m == 0 or p == 0:
+    if n == 0 or m == 0 or p == 0:
         return out
     if k == 0:
         out[...] = 0
         return out
-    for j in range(n):
-        aj, trans_a, lda = _operand(a[j])
-        bj, trans_b, ldb = _operand(b[j])
-        _lib.cblas_sgemm(_ROW_MAJOR, trans_a, trans_b, m, p, k, 1.0, aj.ctypes.data, lda,
-                         bj.ctypes.data, ldb, 0.0, out[j].ctypes.data, p)
+    a, trans_a, lda, stride_a = _operand(a)
+    b, trans_b, ldb, stride_b = _operand(b)
+    _lib.cblas_sgemm_batch_strided(_ROW_MAJOR, trans_a, trans_b, m, p, k, 1.0, a.ctypes.data, lda, stride_a,
+                                   b.ctypes.data, ldb, stride_b, 0.0, out.ctypes.data, p, m * p, n)
     return out
 
 
 def _operand(x: np.ndarray):
-    """A row-major operand for cblas: x itself, or the contiguous array x is a transposed
-    view of (no copy), or a copy; with its transpose flag and leading dimension."""
-    if x.dtype == np.float32 and x.flags.c_contiguous:
-        return x, _NO_TRANS, x.shape[1]
-    if x.dtype == np.float32 and x.T.flags.c_contiguous:
-        return x.T, _TRANS, x.shape[0]
+    """A stack of row-major matrices for cblas: x itself when each item is a plain or a
+    transposed matrix with unit steps along its rows, else a contiguous copy; with the
+    transpose flag, the leading dimension and the spacing of the items, in elements."""
+    size = np.dtype(np.float32).itemsize
+    if x.dtype == np.float32 and all(st % size == 0 for st in x.strides):
+        batch, rows, cols = (st // size for st in x.strides)
+        if cols == 1 and rows >= max(1, x.shape[2]) and batch >= 0:
+            return x, _NO_TRANS, rows, batch
+        if rows == 1 and cols >= max(1, x.shape[1]) and batch >= 0:
+            return x, _TRANS, cols, batch
     x = np.ascontiguousarray(x, dtype=np.float32)
-    return x, _NO_TRANS, x.shape[1]
+    return x, _NO_TRANS, x.shape[2], x.shape[1] * x.shape[2]

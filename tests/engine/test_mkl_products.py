@@ -54,10 +54,19 @@ def test_packed_products_take_strided_inputs():
     np.testing.assert_allclose(mkl_products.matmul(mkl_products.PackedWeight(w), a.T), w @ a.T, atol=1e-4)
 
 
+def _leading_part(x: np.ndarray, rng) -> np.ndarray:
+    """x as the leading rows and columns of a larger array (attention reads the keys up to
+    a tile's end out of the row's whole context): items spaced wider than they are."""
+    big = rng.standard_normal((x.shape[0], x.shape[1] + 5, x.shape[2] + 3), dtype=np.float32)
+    big[:, : x.shape[1], : x.shape[2]] = x
+    return big[:, : x.shape[1], : x.shape[2]]
+
+
 @needs_mkl
 @pytest.mark.parametrize("transpose_a", [False, True])
 @pytest.mark.parametrize("transpose_b", [False, True])
-def test_batched_products_match_numpy_for_plain_and_transposed_views(transpose_a, transpose_b):
+@pytest.mark.parametrize("sliced", [False, True])
+def test_batched_products_match_numpy_for_plain_and_transposed_views(transpose_a, transpose_b, sliced):
     rng = np.random.default_rng(2)
     a = rng.standard_normal((3, 37, 16), dtype=np.float32)
     b = rng.standard_normal((3, 16, 29), dtype=np.float32)
@@ -65,6 +74,9 @@ def test_batched_products_match_numpy_for_plain_and_transposed_views(transpose_a
         a = np.ascontiguousarray(a.swapaxes(1, 2)).swapaxes(1, 2)
     if transpose_b:
         b = np.ascontiguousarray(b.swapaxes(1, 2)).swapaxes(1, 2)
+    if sliced:
+        a = _leading_part(a.swapaxes(1, 2), rng).swapaxes(1, 2) if transpose_a else _leading_part(a, rng)
+        b = _leading_part(b.swapaxes(1, 2), rng).swapaxes(1, 2) if transpose_b else _leading_part(b, rng)
     np.testing.assert_allclose(mkl_products.batched_matmul(a, b), np.matmul(a, b), atol=1e-4)
     assert mkl_products.batched_matmul(a[:, :0], b).shape == (3, 0, 29)
 
