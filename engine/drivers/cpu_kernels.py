@@ -499,6 +499,14 @@ class Kernels:
         entry = self._packed.get(id(w))
         return matmul(w, x, entry[1] if entry is not None and entry[0] is w else None)
 
+    def matmul_add(self, w: np.ndarray, x: np.ndarray, acc: np.ndarray) -> None:
+        """acc += w @ x (the residual adds): MKL adds in place, without a result array."""
+        entry = self._packed.get(id(w))
+        if entry is not None and entry[0] is w and x.shape[1] not in FEW_TOKENS:
+            mkl_products.matmul_add(entry[1], x, acc)
+        else:
+            acc += self.matmul(w, x)
+
     def paged_attention(self, q, cache, tables, table_of, lengths, out, tokens: int = 1) -> None:
         paged_attention(q, cache, tables, table_of, lengths, out, tokens, shared_pool=bool(self._packed))
 

@@ -115,17 +115,47 @@ def matmul(w: PackedWeight, x: np.ndarray) -> np.ndarray:
     tokens = x.shape[1]
     if tokens == 0:  # MKL rejects a zero leading dimension
         return np.empty((o, 0), np.float32)
-    width = -(-tokens // PAD_TOKENS) * PAD_TOKENS
-    if width != tokens:
-        padded = np.zeros((i, width), np.float32)
-        padded[:, :tokens] = x
-        x = padded
-    else:
-        x = np.ascontiguousarray(x, dtype=np.float32)
+    b, trans, ldb, width = _columns(x)
     out = np.empty((o, width), np.float32)
-    _lib.cblas_sgemm_compute(_ROW_MAJOR, _PACKED, _NO_TRANS, o, width, i, w.buffer.ctypes.data, i,
-                             x.ctypes.data, width, 0.0, out.ctypes.data, width)
+    _lib.cblas_sgemm_compute(_ROW_MAJOR, _PACKED, trans, o, width, i, w.buffer.ctypes.data, i,
+                             b.ctypes.data, ldb, 0.0, out.ctypes.data, width)
     return out[:, :tokens]
+
+
+def matmul_add(w: PackedWeight, x: np.ndarray, acc: np.ndarray) -> None:
+    """acc += w @ x, in place on acc (o, T). MKL adds into acc itself (no result array, no
+    separate pass) when acc is contiguous and T needs no padding."""
+    tokens = x.shape[1]
+    if tokens == 0:
+        return
+    b, trans, ldb, width = _columns(x)
+    if width != tokens or not acc.flags.c_contiguous or acc.dtype != np.float32:
+        acc += matmul(w, x)
+        return
+    o, i = w.shape
+    _lib.cblas_sgemm_compute(_ROW_MAJOR, _PACKED, trans, o, width, i, w.buffer.ctypes.data, i,
+                             b.ctypes.data, ldb, 1.0, acc.ctypes.data, width)
+
+
+def _columns(x: np.ndarray):
+    """The right operand (i, T) as cblas takes it: (array, transpose flag, leading
+    dimension, width), the width T rounded up to PAD_TOKENS with zero columns. A
+    transposed view of a token-major array is read as it lies (no transposing copy)."""
+    i, tokens = x.shape
+    width = -(-tokens // PAD_TOKENS) * PAD_TOKENS
+    token_major = x.dtype == np.float32 and x.T.flags.c_contiguous and not x.flags.c_contiguous
+    if width == tokens:
+        if token_major:
+            return x.T, _TRANS, i, width
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        return x, _NO_TRANS, width, width
+    if token_major:  # pad along the contiguous axis: a plain copy, not a transposing one
+        padded = np.zeros((width, i), np.float32)
+        padded[:tokens] = x.T
+        return padded, _TRANS, i, width
+    padded = np.zeros((i, width), np.float32)
+    padded[:, :tokens] = x
+    return padded, _NO_TRANS, width, width
 
 
 def batched_matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:

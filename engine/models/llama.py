@@ -299,7 +299,7 @@ def _forward_kernels(config: LlamaConfig, model: PreparedLlama, kv: list, x, lay
         qkv = mm(layer["wqkv"], kernels.rms_scale(x, eps))
         q = kernels.rope_store(qkv, rope, layout.write_block, layout.write_offset, cache, heads)
         a = attention(np, q, cache, paged, prefills, kvh, kernels)  # (T, heads * hd)
-        x += mm(layer["wo"], a.T)
-        x += mm(layer["w_down"], kernels.silu_mul(mm(layer["w_gate_up"], kernels.rms_scale(x, eps))))
+        kernels.matmul_add(layer["wo"], a.T, x)  # the residual adds, in place
+        kernels.matmul_add(layer["w_down"], kernels.silu_mul(mm(layer["w_gate_up"], kernels.rms_scale(x, eps))), x)
     h = kernels.rms_scale(np.ascontiguousarray(x[:, layout.logit_idx]), eps) * model.norm[:, None]
     return mm(model.lm_head, h).T

@@ -44,6 +44,27 @@ def test_packed_products_match_a_float64_reference(o, i, tokens, seed):
     got = mkl_products.matmul(packed, x)
     assert got.shape == (o, tokens)
     np.testing.assert_allclose(got, ref, atol=1e-3, rtol=1e-4)
+    # Token-major activations (the attention output) as a transposed view, no copy asked.
+    np.testing.assert_allclose(mkl_products.matmul(packed, np.ascontiguousarray(x.T).T), ref, atol=1e-3, rtol=1e-4)
+
+
+@needs_mkl
+@settings(max_examples=30, deadline=None)
+@given(o=st.integers(1, 100), i=st.integers(1, 80), tokens=st.integers(0, 70), seed=st.integers(0, 2**16),
+       token_major=st.booleans())
+def test_packed_products_accumulate_into_the_residual(o, i, tokens, seed, token_major):
+    """acc += w @ x, in place on acc (MKL adds into it when its width needs no padding)."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((o, i), dtype=np.float32)
+    x = rng.standard_normal((i, tokens), dtype=np.float32)
+    if token_major:
+        x = np.ascontiguousarray(x.T).T
+    acc = rng.standard_normal((o, tokens), dtype=np.float32)
+    want = acc.astype(np.float64) + w.astype(np.float64) @ x
+    before = acc.ctypes.data
+    mkl_products.matmul_add(mkl_products.PackedWeight(w), x, acc)
+    assert acc.ctypes.data == before
+    np.testing.assert_allclose(acc, want, atol=1e-3, rtol=1e-4)
 
 
 @needs_mkl
