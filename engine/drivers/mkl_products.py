@@ -24,7 +24,7 @@ import threading
 
 import numpy as np
 
-_ROW_MAJOR, _NO_TRANS, _TRANS, _A_MATRIX, _PACKED = 101, 111, 112, 161, 151
+_ROW_MAJOR, _NO_TRANS, _TRANS, _A_MATRIX, _B_MATRIX, _PACKED = 101, 111, 112, 161, 162, 151
 _THREADING_GNU = 3
 # Products run on a multiple of this many columns (zero-padded): MKL's packed products are
 # uneven across column counts, fastest at multiples of 16 (measured on SmolLM2's layer
@@ -95,18 +95,27 @@ def _smoke() -> None:
 
 class PackedWeight:
     """A weight matrix w (o, i) in MKL's packed layout, for products w @ x with any number
-    of columns. Holds its own copy: w may be freed or changed afterwards."""
+    of columns, or with `right` for (w @ x).T = x.T @ w.T, whose result comes out token-major
+    (the output head: logits are returned one row per token). Holds its own copy: w may be
+    freed or changed afterwards."""
 
-    __slots__ = ("shape", "buffer")
+    __slots__ = ("shape", "buffer", "right")
 
-    def __init__(self, w: np.ndarray):
+    def __init__(self, w: np.ndarray, right: bool = False):
         w = np.ascontiguousarray(w, dtype=np.float32)
         o, i = w.shape
-        size = _lib.cblas_sgemm_pack_get_size(_A_MATRIX, o, 1, i)
-        self.buffer = np.empty(-(-size // 4), np.float32)
-        _lib.cblas_sgemm_pack(_ROW_MAJOR, _A_MATRIX, _NO_TRANS, o, 1, i, 1.0, w.ctypes.data, i,
-                              self.buffer.ctypes.data)
+        if right:  # w.T as the right-hand matrix (i, o): packed from w read transposed
+            size = _lib.cblas_sgemm_pack_get_size(_B_MATRIX, 1, o, i)
+            self.buffer = np.empty(-(-size // 4), np.float32)
+            _lib.cblas_sgemm_pack(_ROW_MAJOR, _B_MATRIX, _TRANS, 1, o, i, 1.0, w.ctypes.data, i,
+                                  self.buffer.ctypes.data)
+        else:
+            size = _lib.cblas_sgemm_pack_get_size(_A_MATRIX, o, 1, i)
+            self.buffer = np.empty(-(-size // 4), np.float32)
+            _lib.cblas_sgemm_pack(_ROW_MAJOR, _A_MATRIX, _NO_TRANS, o, 1, i, 1.0, w.ctypes.data, i,
+                                  self.buffer.ctypes.data)
         self.shape = (o, i)
+        self.right = right
 
 
 def matmul(w: PackedWeight, x: np.ndarray) -> np.ndarray:
@@ -120,6 +129,20 @@ def matmul(w: PackedWeight, x: np.ndarray) -> np.ndarray:
     _lib.cblas_sgemm_compute(_ROW_MAJOR, _PACKED, trans, o, width, i, w.buffer.ctypes.data, i,
                              b.ctypes.data, ldb, 0.0, out.ctypes.data, width)
     return out[:, :tokens]
+
+
+def matmul_token_major(w: PackedWeight, x: np.ndarray) -> np.ndarray:
+    """(w @ x).T as a C-contiguous (T, o) array, for w packed with `right`; x (i, T)."""
+    o, i = w.shape
+    tokens = x.shape[1]
+    if tokens == 0:
+        return np.empty((0, o), np.float32)
+    b, trans, ldb, width = _columns(x)
+    out = np.empty((width, o), np.float32)
+    # x.T is the left matrix: x's transpose flag flips (a feature-major x is read transposed).
+    _lib.cblas_sgemm_compute(_ROW_MAJOR, _NO_TRANS if trans == _TRANS else _TRANS, _PACKED, width, o, i,
+                             b.ctypes.data, ldb, w.buffer.ctypes.data, o, 0.0, out.ctypes.data, o)
+    return out[:tokens]
 
 
 def matmul_add(w: PackedWeight, x: np.ndarray, acc: np.ndarray) -> None:

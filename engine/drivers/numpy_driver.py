@@ -67,9 +67,9 @@ class NumpyDriver(Driver):
         if self._want_kernels and cpu_kernels.available():
             for _ in range(cpu_kernels.compile()):
                 self._built()
-            weights = [w for layer in self.model.layers for w in layer.values()] + [self.model.lm_head]
+            weights = [w for layer in self.model.layers for w in layer.values()]
             # Packing the weights for MKL is part of preparing them, not a compile of its own.
-            self.kernels = cpu_kernels.Kernels(weights, use_mkl=self._want_mkl)
+            self.kernels = cpu_kernels.Kernels(weights, use_mkl=self._want_mkl, head=self.model.lm_head)
             self._specializations = cpu_kernels.specializations()
         shape = llama.kv_cache_shape(model.config, plan.num_blocks, plan.block_size)
         # np.zeros maps pages lazily, so an unused KV pool costs no memory.

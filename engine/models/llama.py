@@ -302,4 +302,4 @@ def _forward_kernels(config: LlamaConfig, model: PreparedLlama, kv: list, x, lay
         kernels.matmul_add(layer["wo"], a.T, x)  # the residual adds, in place
         kernels.matmul_add(layer["w_down"], kernels.silu_mul(mm(layer["w_gate_up"], kernels.rms_scale(x, eps))), x)
     h = kernels.rms_scale(np.ascontiguousarray(x[:, layout.logit_idx]), eps) * model.norm[:, None]
-    return mm(model.lm_head, h).T
+    return kernels.head(model.lm_head, h)  # (logits, vocab), token-major as returned

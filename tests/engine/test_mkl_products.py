@@ -50,6 +50,23 @@ def test_packed_products_match_a_float64_reference(o, i, tokens, seed):
 
 @needs_mkl
 @settings(max_examples=30, deadline=None)
+@given(o=st.integers(1, 300), i=st.integers(1, 120), tokens=st.integers(0, 70), seed=st.integers(0, 2**16))
+def test_output_head_products_come_out_token_major(o, i, tokens, seed):
+    """The output head packed as the right-hand matrix gives (tokens, vocab) logits as
+    they are returned, with no transposing copy of the largest array of the step."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((o, i), dtype=np.float32)
+    x = rng.standard_normal((i, tokens), dtype=np.float32)
+    ref = (w.astype(np.float64) @ x).T
+    packed = mkl_products.PackedWeight(w, right=True)
+    w[...] = 0  # the packed copy is the packing's own
+    got = mkl_products.matmul_token_major(packed, x)
+    assert got.shape == (tokens, o) and got.flags.c_contiguous
+    np.testing.assert_allclose(got, ref, atol=1e-3, rtol=1e-4)
+
+
+@needs_mkl
+@settings(max_examples=30, deadline=None)
 @given(o=st.integers(1, 100), i=st.integers(1, 80), tokens=st.integers(0, 70), seed=st.integers(0, 2**16),
        token_major=st.booleans())
 def test_packed_products_accumulate_into_the_residual(o, i, tokens, seed, token_major):
