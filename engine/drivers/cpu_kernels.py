@@ -200,7 +200,9 @@ def _build():
     # along contiguous tokens. They index from a run's start with unsigned integers: with a
     # signed index numba adds a negative-index fix-up that stops LLVM from vectorizing
     # (measured: 3-4x slower), and a serial helper keeps the loops out of the parallel
-    # region's body, where they did not vectorize either. (SiLU's rows start at 0: no need.)
+    # region's body, where they did not vectorize either. The helpers are also the serial
+    # entry points: a small step calls them on the calling thread, without changing the
+    # thread team's size (flipping it between products cost a one-row step about 2 ms).
 
     @njit(fastmath=_FASTMATH, cache=True, boundscheck=False)
     def rms_run(x, eps, out, t0, n):
@@ -224,14 +226,22 @@ def _build():
         for run in prange((tokens + _TOKEN_RUN - 1) // _TOKEN_RUN):
             rms_run(x, eps, out, run * _TOKEN_RUN, min(_TOKEN_RUN, tokens - run * _TOKEN_RUN))
 
+    @njit(fastmath=_FASTMATH, cache=True, boundscheck=False)
+    def silu_rows(gate_up, out, f0, n):
+        inter, tokens = out.shape
+        base = np.uint64(f0)
+        for f in range(n):
+            u = base + np.uint64(f)
+            for t in range(tokens):
+                g = gate_up[u, t]
+                out[u, t] = g / (np.float32(1) + exp(-g)) * gate_up[np.uint64(inter) + u, t]
+
     @njit(parallel=True, fastmath=_FASTMATH, cache=True, boundscheck=False)
     def silu_mul(gate_up, out):
         """out = silu(gate) * up, gate_up (2 inter, T) feature-major."""
-        inter, tokens = out.shape
-        for f in prange(inter):
-            for t in range(tokens):
-                g = gate_up[f, t]
-                out[f, t] = g / (np.float32(1) + exp(-g)) * gate_up[inter + f, t]
+        inter = out.shape[0]
+        for run in prange((inter + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
+            silu_rows(gate_up, out, run * _ROWS_PER_TASK, min(_ROWS_PER_TASK, inter - run * _ROWS_PER_TASK))
 
     @njit(fastmath=_FASTMATH, cache=True, boundscheck=False)
     def rope_run(qkv, rope, block, offset, cache, q_out, t0, n):
@@ -307,7 +317,8 @@ def _build():
             b, r = task // rows, task % rows
             inv[b, r] = np.float32(1) / softmax_row(scores[b, r], keys - (m - 1 - r % m))
 
-    return few_token_matmul, paged_attention, rms_scale, silu_mul, rope_store, causal_softmax
+    return (few_token_matmul, paged_attention, rms_scale, silu_mul, rope_store, causal_softmax,
+            rms_run, silu_rows, rope_run)
 
 
 def _prefer_wide_vectors(numba) -> None:
@@ -342,7 +353,8 @@ def compile() -> int:
     return len(_kernels)
 
 
-def _smoke(few_token_matmul, paged_attention, rms_scale, silu_mul, rope_store, causal_softmax) -> None:
+def _smoke(few_token_matmul, paged_attention, rms_scale, silu_mul, rope_store, causal_softmax,
+           rms_run, silu_rows, rope_run) -> None:
     w = np.ones((3, 2), np.float32)
     out = np.empty((3, 2), np.float32)
     few_token_matmul(w, np.ones((2, 2), np.float32), out)
@@ -360,9 +372,15 @@ def _smoke(few_token_matmul, paged_attention, rms_scale, silu_mul, rope_store, c
     scores = np.zeros((1, 2, 2), np.float32)
     inv = np.empty((1, 2), np.float32)
     causal_softmax(scores, 2, inv)
+    # The serial entry points, on the types the wrappers pass.
+    serial_norm, serial_act = np.empty((2, 1), np.float32), np.empty((1, 1), np.float32)
+    rms_run(np.full((2, 1), 2, np.float32), np.float32(0), serial_norm, 0, 1)
+    silu_rows(np.zeros((2, 1), np.float32), serial_act, 0, 1)
+    rope_run(np.ones((6, 1), np.float32), np.array([[0, 1]], np.float32), np.zeros(1, np.int64),
+             np.zeros(1, np.int64), cache, q, 0, 1)
     if not (np.all(out == 2) and np.allclose(att, 1) and np.allclose(norm, 1) and act[0, 0] == 0
             and np.allclose(q, [[[-1, 1]]]) and np.allclose(scores, [[[1, 0], [1, 1]]])
-            and np.allclose(inv, [[1, 0.5]])):
+            and np.allclose(inv, [[1, 0.5]]) and np.allclose(serial_norm, 1) and serial_act[0, 0] == 0):
         raise RuntimeError("the compiled kernels gave wrong results on a known input")
 
 
@@ -421,24 +439,33 @@ def _rows_of(a: np.ndarray) -> np.ndarray:
 def rms_scale(x: np.ndarray, eps: float) -> np.ndarray:
     """x / rms(x) per token of a feature-major (features, T) float32 array."""
     out = np.empty_like(x)
-    _set_threads(x.size >= GLUE_PARALLEL_MIN)
-    _kernels[2](x, np.float32(eps), out)
+    if x.size >= GLUE_PARALLEL_MIN:
+        _set_threads(True)
+        _kernels[2](x, np.float32(eps), out)
+    else:
+        _kernels[6](x, np.float32(eps), out, 0, x.shape[1])
     return out
 
 
 def silu_mul(gate_up: np.ndarray) -> np.ndarray:
     """silu(gate) * up for a feature-major (2 inter, T) array of gate rows then up rows."""
     out = np.empty((gate_up.shape[0] // 2, gate_up.shape[1]), np.float32)
-    _set_threads(gate_up.size >= GLUE_PARALLEL_MIN)
-    _kernels[3](_rows_of(gate_up), out)
+    if gate_up.size >= GLUE_PARALLEL_MIN:
+        _set_threads(True)
+        _kernels[3](_rows_of(gate_up), out)
+    else:
+        _kernels[7](_rows_of(gate_up), out, 0, out.shape[0])
     return out
 
 
 def rope_store(qkv, rope, block, offset, cache, heads: int) -> np.ndarray:
     """Rotary on Q and K, K and V written to the paged cache; returns Q (T, heads, hd)."""
     q = np.empty((qkv.shape[1], heads, cache.shape[4]), np.float32)
-    _set_threads(qkv.size >= GLUE_PARALLEL_MIN)
-    _kernels[4](_rows_of(qkv), rope, block, offset, cache, q)
+    if qkv.size >= GLUE_PARALLEL_MIN:
+        _set_threads(True)
+        _kernels[4](_rows_of(qkv), rope, block, offset, cache, q)
+    else:
+        _kernels[8](_rows_of(qkv), rope, block, offset, cache, q, 0, q.shape[0])
     return q
 
 

@@ -113,16 +113,17 @@ def test_causal_softmax_matches_reference(seed, stacks, group, m, earlier, scale
 
 @pytest.mark.parametrize("tokens", [1, 5, 33, 300])
 def test_glue_kernels_match_numpy(tokens):
-    """rms_scale and silu_mul, serial for a few tokens and split across threads for many,
-    agree with NumPy, silu over the whole float32 range of its exp (saturating, no inf/nan)."""
+    """rms_scale and silu_mul, serial for a few tokens and split across threads for many
+    (SmolLM2's widths: both sides of GLUE_PARALLEL_MIN), agree with NumPy, silu over the whole
+    float32 range of its exp (saturating, no inf/nan)."""
     rng = np.random.default_rng(tokens)
-    x = (rng.standard_normal((96, tokens)) * 3).astype(np.float32)
+    x = (rng.standard_normal((576, tokens)) * 3).astype(np.float32)
     want = x / np.sqrt((x.astype(np.float64) ** 2).mean(axis=0, keepdims=True) + 1e-5)
     np.testing.assert_allclose(cpu_kernels.rms_scale(x, 1e-5), want, rtol=1e-5, atol=1e-6)
-    gate_up = (rng.standard_normal((2 * 40, tokens)) * 30).astype(np.float32)
+    gate_up = (rng.standard_normal((2 * 1536, tokens)) * 30).astype(np.float32)
     gate_up[0, 0], gate_up[1, 0] = 200.0, -200.0  # exp(-g) past float32's range either way
-    g = gate_up[:40].astype(np.float64)
-    want = g / (1 + np.exp(-g)) * gate_up[40:]
+    g = gate_up[:1536].astype(np.float64)
+    want = g / (1 + np.exp(-g)) * gate_up[1536:]
     got = cpu_kernels.silu_mul(gate_up)
     assert np.all(np.isfinite(got))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
@@ -138,7 +139,7 @@ def test_glue_kernels_match_numpy(tokens):
 @pytest.mark.parametrize("tokens", [1, 3, 200])
 def test_rope_store_rotates_q_and_k_and_writes_the_cache(tokens):
     rng = np.random.default_rng(tokens)
-    heads, kvh, hd, block_size = 6, 2, 8, 4
+    heads, kvh, hd, block_size = 9, 3, 64, 4  # SmolLM2's: 200 tokens take the parallel path
     qkv = rng.standard_normal(((heads + 2 * kvh) * hd, tokens)).astype(np.float32)
     angles = rng.uniform(0, 6.3, (tokens, hd // 2))
     rope = np.stack([np.cos(angles), np.sin(angles)], axis=-1).reshape(tokens, hd).astype(np.float32)
