@@ -19,7 +19,7 @@ NumpyDriver with the plan the engine would fit:
 
 Rows are labelled `decode` or `prefill PROMPT/CHUNK` (tokens per step). Each decode row count
 and the prefill are followed by a `products` row: that step's weight products alone, as the
-driver computes them (its few-token kernel or OpenBLAS), with nothing between them: the part
+driver computes them (its few-token kernel, MKL's packed products or OpenBLAS), with nothing between them: the part
 of the gap to a bound that the products themselves leave, whatever the rest of the step does. Each phase is timed many
 times, in rounds over all phases; `best` is the fastest (noise only adds time), `med` the median.
 Columns: tok/s = output tokens per second (rows / step, or prompt tokens / prefill);
@@ -171,8 +171,8 @@ class Bench:
         return [RowWork(r, self._tokens(1), self.context, self.tables[r], 1) for r in range(rows)]
 
     def products(self, tokens: int, logits: int):
-        """The step's weight products alone, as the driver computes them (its few-token kernel
-        or BLAS), with nothing between them: what any step over this BLAS and these kernels
+        """The step's weight products alone, as the driver computes them (its few-token kernel,
+        MKL or BLAS), with nothing between them: what any step over this BLAS and these kernels
         costs at least. Returns a callable."""
         d = self.driver
         mm = d.kernels.matmul if d.kernels is not None else np.matmul

@@ -19,6 +19,9 @@ class DeviceInfo:
     # FLOPs the device does in the time it streams one byte (its GEMM rate over its memory
     # bandwidth): below this many FLOPs per weight byte a step is bound by reading weights.
     flops_per_byte: float = 11.0
+    # The driver's products run on a multiple of this many tokens (MKL's are zero-padded to
+    # it): a budget rounded up to it computes its extra tokens at no extra cost.
+    token_multiple: int = 1
 
 
 @dataclass(slots=True, frozen=True)
@@ -61,7 +64,8 @@ def fit_plan(device: DeviceInfo, config, weight_bytes: int, model_name: str = ""
     """Fits the plan; raises ValueError when the model cannot be served on the device at all."""
     positions = min(int(config.max_positions), MAX_POSITIONS)
     rows = max(1, device.parallel_rows)
-    token_budget = rows + prefill_chunk(device)
+    multiple = max(1, device.token_multiple)
+    token_budget = -(-(rows + prefill_chunk(device)) // multiple) * multiple
     if getattr(config, "recurrent", False):
         return Plan(device.backend, rows, positions, BLOCK_SIZE, 0, token_budget, model_name, state_slots=rows)
     free = device.memory_bytes - weight_bytes

@@ -43,14 +43,17 @@ class NumpyDriver(Driver):
 
     def device(self) -> DeviceInfo:
         memory = self._memory if self._memory is not None else host_memory_bytes()
-        return DeviceInfo("numpy", "cpu", memory, CPU_ROWS)
+        padded = self._uses_mkl()
+        return DeviceInfo("numpy", "cpu", memory, CPU_ROWS, token_multiple=mkl_products.PAD_TOKENS if padded else 1)
+
+    def _uses_mkl(self) -> bool:
+        return self._want_kernels and self._want_mkl and cpu_kernels.available() and mkl_products.available()
 
     def weight_bytes(self, model) -> int:
         """The weights, plus MKL's packed copy of every large matrix when the products will
         run there (the few-token kernel still reads the originals)."""
         total = super().weight_bytes(model)
-        if (self._want_kernels and self._want_mkl and model.config.family != "mamba"
-                and cpu_kernels.available() and mkl_products.available()):
+        if model.config.family != "mamba" and self._uses_mkl():
             total += sum(w.nbytes for w in model.weights.values()
                          if w.ndim == 2 and w.size >= mkl_products.MIN_PACKED_WEIGHTS)
         return total

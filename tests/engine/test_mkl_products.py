@@ -4,6 +4,7 @@ not)."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 
 import numpy as np
@@ -155,3 +156,20 @@ def test_the_plan_counts_the_packed_copies_of_the_weights(monkeypatch):
     matrices = sum(w.nbytes for w in model.weights.values() if w.ndim == 2)
     assert NumpyDriver(mkl=False).weight_bytes(model) == raw
     assert NumpyDriver().weight_bytes(model) == raw + matrices
+
+
+def test_the_token_budget_is_a_whole_number_of_product_widths():
+    """MKL computes a product of T tokens on T rounded up to PAD_TOKENS columns anyway, so a
+    plan whose driver pads that way rounds its budget up: the extra tokens cost nothing."""
+    from poot.engine.drivers.numpy_driver import NumpyDriver
+    from poot.engine.models.synthetic import synthetic_llama
+    from poot.engine.plan import fit_plan
+
+    model = synthetic_llama(5)
+    plain = NumpyDriver(memory_bytes=1 << 30, mkl=False).device()
+    assert plain.token_multiple == 1
+    budget = fit_plan(plain, model.config, 0).token_budget
+    rounded = fit_plan(dataclasses.replace(plain, token_multiple=16), model.config, 0).token_budget
+    assert rounded % 16 == 0 and budget <= rounded < budget + 16
+    if mkl_products.available() and cpu_kernels.available():
+        assert NumpyDriver(memory_bytes=1 << 30).device().token_multiple == mkl_products.PAD_TOKENS

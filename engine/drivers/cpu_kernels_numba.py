@@ -1,0 +1,278 @@
+"""The CPU driver's numba kernels themselves; `cpu_kernels` says what each is for, decides
+when each runs and on how many threads, and builds them (`cpu_kernels.compile()`).
+
+They live at module level, apart from that policy: numba caches a kernel on disk only when
+everything it calls is a module-level global (kernels that called helpers or the exp below
+as closure variables were rebuilt in every process, 12 s per start). Importing this module
+compiles nothing; `cpu_kernels` imports it only after choosing numba's target CPU and
+threading layer.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
+
+ROWS_PER_TASK = 32  # weight rows per parallel task: enough work to hide the task's start-up
+TOKEN_RUN = 64  # tokens per task of the glue kernels: inner loops long enough to vectorize
+# No nnan/ninf: the running maximum of the softmax starts at -inf.
+FASTMATH = {"nsz", "arcp", "contract", "afn", "reassoc"}
+
+
+@intrinsic
+def float_from_bits(typingctx, bits):
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+    return types.float32(types.int32), codegen
+
+
+@njit(inline="always", fastmath=FASTMATH)
+def exp(x):
+    """float32 e^x, relative error under 1e-6; inputs outside [-87, 88] saturate there
+    (so e^-inf is about 1e-38, not 0: callers that need an exact 0 mask explicitly)."""
+    x = x if x > np.float32(-87.0) else np.float32(-87.0)  # selects vectorize; min/max do not
+    x = x if x < np.float32(88.0) else np.float32(88.0)
+    n = np.float32(np.floor(x * np.float32(1.44269504) + np.float32(0.5)))
+    r = x - n * np.float32(0.693359375) + n * np.float32(2.12194440e-4)  # x - n ln2, in two parts
+    p = np.float32(1.9875691500e-4)
+    p = p * r + np.float32(1.3981999507e-3)
+    p = p * r + np.float32(8.3334519073e-3)
+    p = p * r + np.float32(4.1665795894e-2)
+    p = p * r + np.float32(1.6666665459e-1)
+    p = p * r + np.float32(5.0000001201e-1)
+    p = p * r * r + r + np.float32(1)
+    return p * float_from_bits((np.int32(n) + np.int32(127)) << np.int32(23))  # times 2^n
+
+
+@njit(parallel=True, fastmath=FASTMATH, cache=True, boundscheck=False)
+def few_token_matmul(w, xt, out):
+    """out (o, T) = w (o, i) @ xt.T, xt (T, i) contiguous. Register blocks of four weight
+    rows by two tokens: each load of w serves two tokens, each load of xt four rows."""
+    o, i = w.shape
+    tokens = xt.shape[0]
+    for task in prange((o + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
+        r, end = task * ROWS_PER_TASK, min(o, (task + 1) * ROWS_PER_TASK)
+        while r + 4 <= end:
+            w0, w1, w2, w3 = w[r], w[r + 1], w[r + 2], w[r + 3]
+            t = 0
+            while t + 2 <= tokens:
+                x0, x1 = xt[t], xt[t + 1]
+                a00 = a01 = a10 = a11 = a20 = a21 = a30 = a31 = np.float32(0)
+                for e in range(i):
+                    u0, u1 = x0[e], x1[e]
+                    a00 += w0[e] * u0
+                    a01 += w0[e] * u1
+                    a10 += w1[e] * u0
+                    a11 += w1[e] * u1
+                    a20 += w2[e] * u0
+                    a21 += w2[e] * u1
+                    a30 += w3[e] * u0
+                    a31 += w3[e] * u1
+                out[r, t], out[r + 1, t], out[r + 2, t], out[r + 3, t] = a00, a10, a20, a30
+                out[r, t + 1], out[r + 1, t + 1], out[r + 2, t + 1], out[r + 3, t + 1] = a01, a11, a21, a31
+                t += 2
+            if t < tokens:  # an odd token count: the last token alone
+                x0 = xt[t]
+                a00 = a10 = a20 = a30 = np.float32(0)
+                for e in range(i):
+                    u0 = x0[e]
+                    a00 += w0[e] * u0
+                    a10 += w1[e] * u0
+                    a20 += w2[e] * u0
+                    a30 += w3[e] * u0
+                out[r, t], out[r + 1, t], out[r + 2, t], out[r + 3, t] = a00, a10, a20, a30
+            r += 4
+        while r < end:  # rows left over when o is not a multiple of four
+            for t in range(tokens):
+                a = np.float32(0)
+                for e in range(i):
+                    a += w[r, e] * xt[t, e]
+                out[r, t] = a
+            r += 1
+
+
+@njit(parallel=True, fastmath=FASTMATH, cache=True, boundscheck=False)
+def paged_attention(q, cache, tables, table_of, lengths, out):
+    """q (Q, heads, hd) pre-scaled; cache (2, kv_heads, blocks, block_size, hd); query n
+    attends keys 0 .. lengths[n] - 1 of the blocks tables[table_of[n]]; out (Q, heads * hd)."""
+    queries, heads, hd = q.shape
+    kv_heads, block_size = cache.shape[1], cache.shape[3]
+    group = heads // kv_heads
+    for task in prange(queries * kv_heads):
+        n, h = task // kv_heads, task % kv_heads
+        length = lengths[n]
+        table = tables[table_of[n]]
+        qg = q[n, h * group : (h + 1) * group]
+        top = np.full(group, -np.inf, dtype=np.float32)  # running max of the scores
+        den = np.zeros(group, dtype=np.float32)
+        acc = np.zeros((group, hd), dtype=np.float32)
+        p = np.empty((group, block_size), dtype=np.float32)
+        for j in range((length + block_size - 1) // block_size):
+            keys, values = cache[0, h, table[j]], cache[1, h, table[j]]
+            used = min(block_size, length - j * block_size)
+            for t in range(used):  # each key is loaded once for the whole group
+                for g in range(group):
+                    s = np.float32(0)
+                    for e in range(hd):
+                        s += qg[g, e] * keys[t, e]
+                    p[g, t] = s
+            for g in range(group):
+                m = top[g]
+                for t in range(used):
+                    m = max(m, p[g, t])
+                rescale = np.float32(math.exp(top[g] - m))
+                top[g] = m
+                total = den[g] * rescale
+                for e in range(hd):
+                    acc[g, e] *= rescale
+                for t in range(used):
+                    p[g, t] = exp(p[g, t] - m)
+                    total += p[g, t]
+                den[g] = total
+            for t in range(used):
+                for g in range(group):
+                    pt = p[g, t]
+                    for e in range(hd):
+                        acc[g, e] += pt * values[t, e]
+        for g in range(group):
+            inv = np.float32(1) / den[g]
+            base = (h * group + g) * hd
+            for e in range(hd):
+                out[n, base + e] = acc[g, e] * inv
+
+# The glue kernels give each thread runs of TOKEN_RUN tokens and keep their inner loops
+# along contiguous tokens. They index from a run's start with unsigned integers: with a
+# signed index numba adds a negative-index fix-up that stops LLVM from vectorizing
+# (measured: 3-4x slower), and a serial helper keeps the loops out of the parallel
+# region's body, where they did not vectorize either. The helpers are also the serial
+# entry points: a small step calls them on the calling thread, without changing the
+# thread team's size (flipping it between products cost a one-row step about 2 ms).
+
+
+@njit(fastmath=FASTMATH, cache=True, boundscheck=False)
+def rms_run(x, eps, out, t0, n):
+    features = x.shape[0]
+    base = np.uint64(t0)
+    acc = np.zeros(n, np.float32)
+    for f in range(features):
+        for t in range(n):
+            v = x[f, base + np.uint64(t)]
+            acc[t] += v * v
+    for t in range(n):
+        acc[t] = np.float32(1) / np.float32(math.sqrt(acc[t] / features + eps))
+    for f in range(features):
+        for t in range(n):
+            out[f, base + np.uint64(t)] = x[f, base + np.uint64(t)] * acc[t]
+
+
+@njit(parallel=True, fastmath=FASTMATH, cache=True, boundscheck=False)
+def rms_scale(x, eps, out):
+    """out = x / rms(x) per token of a feature-major x (features, T)."""
+    tokens = x.shape[1]
+    for run in prange((tokens + TOKEN_RUN - 1) // TOKEN_RUN):
+        rms_run(x, eps, out, run * TOKEN_RUN, min(TOKEN_RUN, tokens - run * TOKEN_RUN))
+
+
+@njit(fastmath=FASTMATH, cache=True, boundscheck=False)
+def silu_rows(gate_up, out, f0, n):
+    inter, tokens = out.shape
+    base = np.uint64(f0)
+    for f in range(n):
+        u = base + np.uint64(f)
+        for t in range(tokens):
+            g = gate_up[u, t]
+            out[u, t] = g / (np.float32(1) + exp(-g)) * gate_up[np.uint64(inter) + u, t]
+
+
+@njit(parallel=True, fastmath=FASTMATH, cache=True, boundscheck=False)
+def silu_mul(gate_up, out):
+    """out = silu(gate) * up, gate_up (2 inter, T) feature-major."""
+    inter = out.shape[0]
+    for run in prange((inter + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
+        silu_rows(gate_up, out, run * ROWS_PER_TASK, min(ROWS_PER_TASK, inter - run * ROWS_PER_TASK))
+
+
+@njit(fastmath=FASTMATH, cache=True, boundscheck=False)
+def rope_run(qkv, rope, block, offset, cache, q_out, t0, n):
+    heads, hd = q_out.shape[1], q_out.shape[2]
+    kv_heads = cache.shape[1]
+    base = np.uint64(t0)
+    for h in range(heads + kv_heads):
+        for j in range(0, hd, 2):
+            for t in range(n):
+                u = base + np.uint64(t)
+                c, s = rope[u, j], rope[u, j + 1]
+                re, im = qkv[h * hd + j, u], qkv[h * hd + j + 1, u]
+                r0, r1 = re * c - im * s, re * s + im * c
+                if h < heads:
+                    q_out[u, h, j], q_out[u, h, j + 1] = r0, r1
+                else:
+                    b, o = block[u], offset[u]
+                    cache[0, h - heads, b, o, j], cache[0, h - heads, b, o, j + 1] = r0, r1
+    vbase = (heads + kv_heads) * hd
+    for h in range(kv_heads):
+        for e in range(hd):
+            for t in range(n):
+                u = base + np.uint64(t)
+                cache[1, h, block[u], offset[u], e] = qkv[vbase + h * hd + e, u]
+
+
+@njit(parallel=True, fastmath=FASTMATH, cache=True, boundscheck=False)
+def rope_store(qkv, rope, block, offset, cache, q_out):
+    """Rotates each token's Q and K heads (adjacent pairs are one complex number; rope
+    (T, hd) holds cos, sin interleaved for each token's position), writes K and V into
+    the paged cache at (block, offset), and Q token-major into q_out (T, heads, hd).
+    Runs of tokens go to threads independently: no two tokens of a step share a slot."""
+    tokens = q_out.shape[0]
+    for run in prange((tokens + TOKEN_RUN - 1) // TOKEN_RUN):
+        rope_run(qkv, rope, block, offset, cache, q_out, run * TOKEN_RUN,
+                 min(TOKEN_RUN, tokens - run * TOKEN_RUN))
+
+
+@njit(fastmath=FASTMATH, cache=True, boundscheck=False)
+def softmax_row(row, seen):
+    """e^(s - max) over row[:seen] in place, zeros after; returns the sum. The maximum
+    is kept in one vector's worth of lanes, a shape LLVM vectorizes (a running max()
+    is a scalar loop: it was half the kernel's time)."""
+    lanes = np.empty(16, np.float32)
+    lanes[:] = row[0]
+    k = 0
+    while k + 16 <= seen:
+        for j in range(16):
+            v = row[k + j]
+            lanes[j] = v if v > lanes[j] else lanes[j]
+        k += 16
+    top = lanes[0]
+    for j in range(16):
+        top = lanes[j] if lanes[j] > top else top
+    for j in range(k, seen):
+        top = row[j] if row[j] > top else top
+    total = np.float32(0)
+    for k in range(seen):
+        v = exp(row[k] - top)
+        row[k] = v
+        total += v
+    unseen = row[seen:]
+    for k in range(unseen.shape[0]):
+        unseen[k] = np.float32(0)
+    return total
+
+
+@njit(parallel=True, fastmath=FASTMATH, cache=True, boundscheck=False)
+def causal_softmax(scores, m, inv):
+    """In place on scores (stacks, rows, keys), row r being query r % m of a tile of m
+    queries whose last query sees every key: query i sees the first keys - (m - 1 - i).
+    Seen keys get e^(s - max), unseen ones exactly 0; inv (stacks, rows) gets
+    1 / the row's sum, applied after the value product (fewer multiplies)."""
+    stacks, rows, keys = scores.shape
+    for task in prange(stacks * rows):
+        b, r = task // rows, task % rows
+        inv[b, r] = np.float32(1) / softmax_row(scores[b, r], keys - (m - 1 - r % m))
+
+
+KERNELS = (few_token_matmul, paged_attention, rms_scale, silu_mul, rope_store, causal_softmax,
+           rms_run, silu_rows, rope_run)
