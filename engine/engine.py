@@ -31,6 +31,7 @@ from .prefix_cache import PrefixCache
 from .scheduler import Scheduled, Scheduler
 from .sequence import Sequence, Status
 from .speculative import make_draft_policy
+from .step_tokens import StepTokens
 from .stops import StopChecker
 
 log = logging.getLogger("poot.engine")
@@ -82,6 +83,7 @@ class Engine:
         self._waited_iterations = 0  # the preempt_youngest mutation only
         self._health = Health("ok")
         self.counters: Counter[str] = Counter()
+        self.step_tokens = StepTokens(plan)
         self.finished_by_reason: Counter[str] = Counter(dict.fromkeys(("stop", "length", "cancelled", "error"), 0))
 
     @classmethod
@@ -165,6 +167,7 @@ class Engine:
             "spec_drafted_tokens": self.counters["spec_drafted"],
             "spec_accepted_tokens": self.counters["spec_accepted"],
             "spec_rounds": self.counters["spec_rounds"],
+            "engine_step_tokens": self.step_tokens.snapshot(),
         }
         return m
 
@@ -299,6 +302,8 @@ class Engine:
                     self._finish(seq, "error", f"the driver refused the step: {e}")
             return [], None
         self.counters["steps"] += 1
+        self.step_tokens.observe(sum(len(s.work.tokens) for s in scheduled),
+                                 decoding=any(not s.seq.prefilling for s in scheduled))
         return scheduled, out.logits
 
     # phase 5

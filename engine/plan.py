@@ -34,9 +34,21 @@ class Plan:
     token_budget: int  # tokens one step may compute, decode tokens and prefill chunks together
     model: str = ""
     state_slots: int = 0  # recurrent families: one state slot per row instead of KV blocks
+    # Tokens a step with no decoding row may compute: nobody's stream waits on it, so its
+    # chunk may be long enough for the products to run at their full rate. 0: token_budget.
+    idle_token_budget: int = 0
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def prefill_budget(self, decoding: bool) -> int:
+        """The tokens one step may feed: token_budget while any row is decoding, else the
+        idle budget."""
+        return self.token_budget if decoding else max(self.token_budget, self.idle_token_budget)
+
+    @property
+    def max_step_tokens(self) -> int:
+        return self.prefill_budget(decoding=False)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -46,6 +58,7 @@ BLOCK_SIZE = 16
 MAX_POSITIONS = 2048
 KV_SHARE = 0.2  # share of device memory the KV pool may take, after the weights
 PREFILL_SHARE = 2.0  # a step with a prefill chunk may cost about this many weight reads
+IDLE_PREFILL_SHARE = 8.0  # likewise, a step that no decoding row waits on
 
 
 def prefill_chunk(device: DeviceInfo, itemsize: int = 4) -> int:
@@ -60,14 +73,29 @@ def prefill_chunk(device: DeviceInfo, itemsize: int = 4) -> int:
     return max(16, int(PREFILL_SHARE * balance))
 
 
+def idle_prefill_chunk(device: DeviceInfo, itemsize: int = 4) -> int:
+    """Prefill tokens a step may carry when no row is decoding.
+
+    With nobody's next token waiting on the step, the chunk is sized for the products: at
+    eight weight reads' worth of arithmetic, reading the weights is an eighth of a step, and
+    a longer chunk gains little (measured on SmolLM2 on two cores: 80 to 176 tokens per step
+    made a 512-token prefill 1.2x faster, 176 to 512 nothing) while a request that arrives
+    meanwhile waits longer to be admitted.
+    """
+    balance = device.flops_per_byte * itemsize / 2
+    return max(prefill_chunk(device, itemsize), int(IDLE_PREFILL_SHARE * balance))
+
+
 def fit_plan(device: DeviceInfo, config, weight_bytes: int, model_name: str = "") -> Plan:
     """Fits the plan; raises ValueError when the model cannot be served on the device at all."""
     positions = min(int(config.max_positions), MAX_POSITIONS)
     rows = max(1, device.parallel_rows)
     multiple = max(1, device.token_multiple)
     token_budget = -(-(rows + prefill_chunk(device)) // multiple) * multiple
+    idle_budget = max(token_budget, -(-idle_prefill_chunk(device) // multiple) * multiple)
     if getattr(config, "recurrent", False):
-        return Plan(device.backend, rows, positions, BLOCK_SIZE, 0, token_budget, model_name, state_slots=rows)
+        return Plan(device.backend, rows, positions, BLOCK_SIZE, 0, token_budget, model_name, state_slots=rows,
+                    idle_token_budget=idle_budget)
     free = device.memory_bytes - weight_bytes
     if free <= 0:
         raise ValueError(f"the model's weights ({weight_bytes} bytes) do not fit the device ({device.memory_bytes} bytes)")
@@ -81,4 +109,5 @@ def fit_plan(device: DeviceInfo, config, weight_bytes: int, model_name: str = ""
         positions = num_blocks * BLOCK_SIZE
     if positions < BLOCK_SIZE:
         raise ValueError("the device has no room for a KV cache")
-    return Plan(device.backend, rows, positions, BLOCK_SIZE, num_blocks, token_budget, model_name)
+    return Plan(device.backend, rows, positions, BLOCK_SIZE, num_blocks, token_budget, model_name,
+                idle_token_budget=idle_budget)

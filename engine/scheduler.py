@@ -7,7 +7,8 @@ jump ahead would let a stream of small requests starve a large old one forever.
 
 A step hands out a token budget: every decoding row first (one token, plus its drafts), then
 prefill chunks, oldest first, from what is left. A burst of long prompts therefore never
-delays a decoding row's next token by more than one budget-sized step.
+delays a decoding row's next token by more than one budget-sized step. A step with no
+decoding row has nobody to delay, and its prefill takes the plan's larger idle budget.
 """
 
 from __future__ import annotations
@@ -78,7 +79,6 @@ class Scheduler:
         return True
 
     def schedule(self, draft_policy=None) -> list[Scheduled]:
-        budget = self.plan.token_budget
         steps: list[Scheduled] = []
         running = self.running
         if "stop_keeps_row" in self.mutations:  # finished requests left holding their rows are not stepped
@@ -86,6 +86,7 @@ class Scheduler:
         decoding = [s for s in running if not s.prefilling]
         if "one_row_per_step" in self.mutations:  # the rows take turns instead of sharing steps
             decoding = decoding[:1]
+        budget = self.plan.prefill_budget(decoding=bool(decoding))
         room = max(0, budget - len(decoding))  # every decoding row gets its token first
         if "reserve_prompt_only" in self.mutations:
             decoding = [q for q in decoding if self._grow_table(q)]
@@ -102,7 +103,8 @@ class Scheduler:
         for seq in sorted((s for s in running if s.prefilling), key=lambda s: s.arrival):
             if budget <= 0:
                 break
-            take = len(seq.prompt) if "no_prefill_budget" in self.mutations else budget
+            whole = "no_prefill_budget" if decoding else "no_idle_prefill_budget"  # the deliberate defects
+            take = len(seq.prompt) if whole in self.mutations else budget
             start = seq.num_computed
             if "prefix_hit_refeeds_prompt" in self.mutations and seq.num_cached:  # the prompt from its start
                 start, take = start - seq.num_cached, min(take, len(seq.prompt) - seq.num_computed)

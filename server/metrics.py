@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
 
 # name in engine.metrics() -> HELP text. Counters are exported with the _total suffix.
@@ -30,6 +30,8 @@ GAUGES = {
     "prefix_cache_hit_rate": "Prompt tokens served from the prefix cache / prompt tokens looked up.",
 }
 FINISHED = ("requests_finished", "Finished requests by reason: stop, length, cancelled, error.")
+STEP_TOKENS = ("engine_step_tokens", "Tokens fed per step; decoding=\"true\" for steps beside a decoding row. "
+               "The plan's token_budget and idle_token_budget are bucket bounds.")
 
 
 class EngineCollector(Collector):
@@ -55,10 +57,21 @@ class EngineCollector(Collector):
         for reason, count in sorted(m.get(FINISHED[0], {}).items()):
             finished.add_metric([reason], count)
         yield finished
-        known = set(COUNTERS) | set(GAUGES) | {FINISHED[0]}
+        if STEP_TOKENS[0] in m:
+            yield step_tokens_family(m[STEP_TOKENS[0]])
+        known = set(COUNTERS) | set(GAUGES) | {FINISHED[0], STEP_TOKENS[0]}
         for name, value in sorted(m.items()):  # anything the engine adds later still shows up
             if name not in known and isinstance(value, int | float) and not isinstance(value, bool):
                 yield GaugeMetricFamily(name, f"Engine metric {name}.", value=value)
+
+
+def step_tokens_family(hist: dict) -> HistogramMetricFamily:
+    family = HistogramMetricFamily(STEP_TOKENS[0], STEP_TOKENS[1], labels=["decoding"])
+    for kind, label in (("decoding", "true"), ("idle", "false")):
+        h = hist[kind]
+        buckets = [(str(float(b)), c) for b, c in zip(hist["bounds"], h["buckets"], strict=True)]
+        family.add_metric([label], buckets + [("+Inf", h["count"])], sum_value=h["sum"])
+    return family
 
 
 def mutated(m: dict, muts: frozenset[str]) -> dict:

@@ -1,4 +1,4 @@
-"""loop/*: batching, admission, reservation, preemption and the prefill budget, seen from outside."""
+"""loop/*: batching, admission, reservation, preemption and the prefill budgets, seen from outside."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import pytest
 
 from poot.conformance.client import Client
+from poot.conformance.outcomes import NotSupported
 from poot.conformance.scenarios import Mux, Probes, RawStream, fill_rows, rows_and_positions, unique_text
 
 clause = pytest.mark.clause
@@ -194,16 +195,69 @@ def test_decoding_rows_advance_every_step(client: Client, probes: Probes, idle):
          "prefilled: some steps left the decoding row out")
 
 
+def step_tokens(client: Client, decoding: bool) -> tuple[dict[float, float], float, float]:
+    """The engine_step_tokens histogram for steps with (or without) a decoding row:
+    ({bucket bound: steps at or under it}, steps, tokens)."""
+    snap = client.metrics()
+    want = ("decoding", "true" if decoding else "false")
+    buckets, count, total = {}, None, None
+    for (name, labels), value in snap.samples.items():
+        if want not in labels:
+            continue
+        if name == "engine_step_tokens_bucket":
+            le = dict(labels).get("le", "")
+            if le != "+Inf":
+                buckets[float(le)] = value
+        elif name == "engine_step_tokens_count":
+            count = value
+        elif name == "engine_step_tokens_sum":
+            total = value
+    if count is None or total is None:
+        raise NotSupported("/metrics has no engine_step_tokens histogram")
+    return buckets, count, total
+
+
 @clause("loop/prefill/2")
-def test_prefill_stays_within_the_token_budget(client: Client, idle):
+def test_prefill_beside_a_decoding_row_stays_within_the_token_budget(client: Client, probes: Probes, idle):
     plan = client.need_plan("positions", "token_budget")
-    chars = min(plan["positions"] - 8, int(plan["token_budget"] * 1.5))
+    budget = plan["token_budget"]
+    buckets, _, _ = step_tokens(client, decoding=True)
+    if float(budget) not in buckets:
+        raise NotSupported(f"engine_step_tokens has no bucket at the token budget ({budget})")
+    chars = min(plan["positions"] - 8, 3 * budget)
+    max_tokens = plan["positions"] - 40
+    decode = RawStream.open(client, unique_text(16), **probes.long_params(max_tokens))
+    try:
+        Mux([decode]).run(until=lambda m: decode.first_data is not None, timeout=30)
+        before = step_tokens(client, decoding=True)
+        answers = _burst(client, 4, chars)
+        after = step_tokens(client, decoding=True)
+        running = decode.finish_reason() is None
+    finally:
+        decode.close()
+    assert running, "the decoding request ended before the burst was prefilled; the check needs it beside"
+    fed = sum(a["usage"]["prompt_tokens"] - a["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
+              for a in answers)
+    steps = after[1] - before[1]
+    tokens = after[2] - before[2]
+    assert tokens >= fed, (f"steps beside the decoding row fed {tokens:.0f} tokens, fewer than the burst's {fed} "
+                           "prompt tokens: the burst was prefilled in steps that left the decoding row out")
+    over = steps - (after[0][float(budget)] - before[0][float(budget)])
+    assert over == 0, (f"{over:.0f} of {steps:.0f} steps beside a decoding row fed more than the token budget "
+                       f"of {budget} tokens ({tokens:.0f} tokens in all)")
+
+
+@clause("loop/prefill/3")
+def test_prefill_with_no_row_decoding_stays_within_the_idle_budget(client: Client, idle):
+    plan = client.need_plan("positions", "token_budget")
+    limit = max(plan["token_budget"], plan.get("idle_token_budget") or 0)
     k = 4
+    chars = min(plan["positions"] - 8, int(limit * 1.5))
     before = client.metric("engine_steps_total")
     answers = _burst(client, k, chars)
     steps = client.metric("engine_steps_total") - before
     total = sum(a["usage"]["prompt_tokens"] - a["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
                 for a in answers)
-    need = math.ceil(total / plan["token_budget"])
+    need = math.ceil(total / limit)
     assert steps >= need, (f"{k} prompts of {total} tokens in all were prefilled in {steps:.0f} steps; a budget of "
-                           f"{plan['token_budget']} tokens per step needs at least {need}")
+                           f"{limit} tokens per step needs at least {need}")

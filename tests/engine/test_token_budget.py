@@ -1,0 +1,140 @@
+"""The per-step token budget: beside a decoding row, prefill chunks keep to the plan's
+token_budget (the decoding rows' tokens first); with no row decoding there is nobody to
+stall, so a chunk may take the plan's larger idle_token_budget."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from poot.engine import Engine
+from poot.engine.drivers.numpy_driver import NumpyDriver
+from poot.engine.models.synthetic import synthetic_llama
+from poot.engine.plan import DeviceInfo, Plan, fit_plan, idle_prefill_chunk, prefill_chunk
+
+from .harness import greedy, run_until_idle, submit
+
+
+def budget_engine(token_budget: int, idle_token_budget: int, rows: int = 4, positions: int = 256) -> Engine:
+    model = synthetic_llama(0)
+    plan = Plan("numpy", rows, positions, 16, rows * positions // 16, token_budget, model.name,
+                idle_token_budget=idle_token_budget)
+    driver = NumpyDriver()
+    driver.prepare(plan, model)
+    return Engine(model, driver, plan, None, frozenset())
+
+
+def record_steps(engine: Engine) -> list[list[tuple[bool, int]]]:
+    """Each step as (prefilling?, tokens fed) per row, as the scheduler handed it out."""
+    steps: list[list[tuple[bool, int]]] = []
+    schedule = engine.scheduler.schedule
+
+    def recorded(*args, **kwargs):
+        out = schedule(*args, **kwargs)
+        steps.append([(s.seq.prefilling, len(s.work.tokens)) for s in out])
+        return out
+    engine.scheduler.schedule = recorded
+    return steps
+
+
+def prompt(n: int, salt: int = 0) -> list[int]:
+    return [(37 * i + salt) % 200 + 40 for i in range(n)]
+
+
+def test_a_prompt_alone_is_prefilled_in_chunks_of_the_idle_budget():
+    engine = budget_engine(token_budget=16, idle_token_budget=48)
+    steps = record_steps(engine)
+    submit(engine, prompt(130), greedy(2, ignore_eos=True))
+    run_until_idle(engine)
+    chunks = [n for step in steps for prefilling, n in step if prefilling]
+    assert chunks == [48, 48, 34]
+
+
+def test_beside_a_decoding_row_prefill_keeps_to_the_token_budget():
+    engine = budget_engine(token_budget=16, idle_token_budget=48)
+    rec, _ = submit(engine, prompt(5), greedy(60, ignore_eos=True))
+    while not rec.token_ids:
+        engine.iteration()
+    steps = record_steps(engine)
+    submit(engine, prompt(100, salt=1), greedy(1))
+    run_until_idle(engine)
+    chunks = [n for step in steps for prefilling, n in step if prefilling]
+    assert chunks and max(chunks) == 15, chunks  # the budget less the decoding row's token
+    assert sum(chunks) == 100
+
+
+@settings(max_examples=25, deadline=None)
+@given(lengths=st.lists(st.integers(1, 200), min_size=1, max_size=6),
+       max_tokens=st.lists(st.integers(1, 12), min_size=6, max_size=6),
+       arrivals=st.lists(st.integers(0, 6), min_size=6, max_size=6),
+       budgets=st.sampled_from([(8, 8), (8, 40), (24, 64), (16, 160)]))
+def test_every_step_keeps_to_the_budget_that_applies(lengths, max_tokens, arrivals, budgets):
+    """Whatever arrives when: a step with a decoding row feeds at most token_budget tokens,
+    one without feeds at most idle_token_budget, and every request still finishes."""
+    token_budget, idle = budgets
+    engine = budget_engine(token_budget, idle)
+    steps = record_steps(engine)
+    records = []
+    pending = sorted(zip(arrivals, lengths, max_tokens, strict=False))
+    tick = 0
+    while pending or engine.in_flight():
+        while pending and pending[0][0] <= tick:
+            _, n, m = pending.pop(0)
+            records.append(submit(engine, prompt(n, salt=len(records)), greedy(m, ignore_eos=True))[0])
+        engine.iteration()
+        tick += 1
+        assert tick < 2000
+    for step in steps:
+        fed = sum(n for _, n in step)
+        decoding = any(not prefilling for prefilling, _ in step)
+        assert fed <= (token_budget if decoding else idle), step
+    assert all(r.finished is not None and r.finished.reason == "length" for r in records)
+
+
+def test_the_idle_budget_is_a_whole_number_of_product_widths_above_the_token_budget():
+    model = synthetic_llama(5)
+    device = DeviceInfo("numpy", "cpu", 1 << 30, parallel_rows=32, flops_per_byte=11.0, token_multiple=16)
+    plan = fit_plan(device, model.config, 0)
+    assert plan.idle_token_budget % 16 == 0
+    assert plan.idle_token_budget >= idle_prefill_chunk(device) > prefill_chunk(device)
+    assert plan.idle_token_budget > plan.token_budget
+    # A plan made without one (an older client's, a test's) falls back to the token budget.
+    bare = dataclasses.replace(plan, idle_token_budget=0)
+    assert bare.prefill_budget(decoding=False) == bare.token_budget
+    assert plan.prefill_budget(decoding=True) == plan.token_budget
+    assert plan.prefill_budget(decoding=False) == plan.idle_token_budget
+
+
+def test_the_step_tokens_histogram_splits_steps_by_whether_a_row_was_decoding():
+    """/metrics' engine_step_tokens: what the conformance suite reads to check the budget
+    beside decoding rows from outside (counting steps cannot: a decoding row steps on its
+    own while a request is still on its way)."""
+    engine = budget_engine(token_budget=16, idle_token_budget=48)
+    rec, _ = submit(engine, prompt(5), greedy(60, ignore_eos=True))
+    while not rec.token_ids:
+        engine.iteration()
+    submit(engine, prompt(100, salt=1), greedy(1))
+    run_until_idle(engine)
+    hist = engine.metrics()["engine_step_tokens"]
+    assert 16 in hist["bounds"] and 48 in hist["bounds"]
+    beside, alone = hist["decoding"], hist["idle"]
+    assert alone["count"] == 1 and alone["sum"] == 5  # the first prompt's one step
+    assert beside["sum"] == 100 + 60 - 1  # the second prompt's chunks and every decode token
+    at_budget = hist["bounds"].index(16)
+    assert beside["buckets"][at_budget] == beside["count"], "a decoding step went over the budget"
+
+
+def test_no_prefill_budget_shows_in_the_histogram():
+    engine = budget_engine(token_budget=16, idle_token_budget=48)
+    engine.mutations = engine.scheduler.mutations = frozenset({"no_prefill_budget"})
+    engine.driver.mutations = engine.mutations
+    rec, _ = submit(engine, prompt(5), greedy(30, ignore_eos=True))
+    while not rec.token_ids:
+        engine.iteration()
+    submit(engine, prompt(100, salt=1), greedy(1))
+    run_until_idle(engine)
+    hist = engine.metrics()["engine_step_tokens"]
+    beside = hist["decoding"]
+    assert beside["buckets"][hist["bounds"].index(16)] < beside["count"]
