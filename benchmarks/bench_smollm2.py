@@ -34,7 +34,9 @@ output head for its last token only, so its FLOPs are the layers' for every toke
 head. Attention's FLOPs over the context are left out of both (shown apart).
 
 Targets (2-core machine): 1 row within 1.25x of the bandwidth bound; full rows at least 45% of
-the GEMM ceiling; a 512-token prefill at least 70% of it.
+the GEMM ceiling; a 512-token prefill at least 70% of it. The `floor` line shows the best the
+full-row step could do on the driver's products: those products alone plus one read of every
+row's KV at the best bandwidth, with attention's arithmetic and the glue free.
 """
 
 from __future__ import annotations
@@ -297,7 +299,16 @@ def run(args) -> dict:
     one = next((r for r in rows_out if r["phase"] == "decode" and r["rows"] == 1), None)
     full = next(r for r in rows_out if r["phase"] == "decode" and r["rows"] == plan.rows)
     alone, beside, one_shot = (r for r in rows_out if r["phase"].startswith("prefill"))
+    # What the full-row step could reach at best on these products: its products alone plus
+    # reading every row's KV once at the best bandwidth, with attention and glue free.
+    full_products = next(r for r in rows_out if r["phase"] == "  products" and r["rows"] == plan.rows)
+    kv_ms = plan.rows * bench.kv_bytes(ctx) / bw * 1e3
+    result["full_rows_floor"] = dict(products_ms=full_products["best_ms"], kv_read_ms=kv_ms,
+                                     pct_gemm=full["gemm_bound_ms"] / (full_products["best_ms"] + kv_ms))
     lines.append("")
+    lines.append(f"{plan.rows}-row floor on these products: products alone {full_products['best_ms']:.1f} ms + "
+                 f"KV read {kv_ms:.1f} ms = {full_products['best_ms'] + kv_ms:.1f} ms, at most "
+                 f"{result['full_rows_floor']['pct_gemm'] * 100:.0f}% of GEMM")
     lines.append("targets: " + "; ".join(filter(None, [
         one and f"1 row x_bw {one['x_bw']:.2f} (<= 1.25)",
         f"{plan.rows} rows {full['pct_gemm'] * 100:.0f}% of GEMM (>= 45%)",

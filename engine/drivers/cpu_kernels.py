@@ -43,6 +43,7 @@ FEW_TOKENS = range(1, 13)  # token counts few_token_matmul takes over from BLAS 
 # (a tiny model's steps would keep a second core busy for nothing).
 PARALLEL_MIN_WORK = 1 << 17
 GLUE_PARALLEL_MIN = 1 << 15  # elements below which a glue kernel (norm, rotary, SiLU, softmax) runs serially
+TOKEN_RUN = 64  # most tokens per run of a parallel glue kernel: inner loops long enough to vectorize
 # OpenBLAS's worker threads spin for about this long after a product (2^28 cycles, its
 # default THREAD_TIMEOUT). A numba team started meanwhile shares a core with the spinner
 # and waits for it at every barrier: measured on SmolLM2, the one-token step right after a
@@ -115,12 +116,12 @@ def _smoke(few_token_matmul, paged_attention, rms_scale, silu_mul, rope_store, c
     paged_attention(np.ones((1, 1, 2), np.float32), cache, np.zeros((1, 1), np.int64), np.zeros(1, np.int64),
                     np.ones(1, np.int64), att)
     norm = np.empty((2, 1), np.float32)
-    rms_scale(np.full((2, 1), 2, np.float32), np.float32(0), norm)
+    rms_scale(np.full((2, 1), 2, np.float32), np.float32(0), norm, 1)
     act = np.empty((1, 1), np.float32)
     silu_mul(np.zeros((2, 1), np.float32), act)
     q = np.empty((1, 1, 2), np.float32)
     rope_store(np.ones((6, 1), np.float32), np.array([[0, 1]], np.float32), np.zeros(1, np.int64),
-               np.zeros(1, np.int64), cache, q)
+               np.zeros(1, np.int64), cache, q, 1)
     scores = np.zeros((1, 2, 2), np.float32)
     inv = np.empty((1, 2), np.float32)
     causal_softmax(scores, 2, inv)
@@ -188,12 +189,20 @@ def _rows_of(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a)
 
 
+def run_length(tokens: int, threads: int) -> int:
+    """Tokens per run of the parallel glue kernels: the runs come in a multiple of the thread
+    count, at most TOKEN_RUN each (runs of a flat 64 gave one of two threads 128 of a
+    176-token chunk's tokens and the other 48)."""
+    runs = threads * -(-tokens // (threads * TOKEN_RUN))
+    return -(-tokens // runs)
+
+
 def rms_scale(x: np.ndarray, eps: float) -> np.ndarray:
     """x / rms(x) per token of a feature-major (features, T) float32 array."""
     out = np.empty_like(x)
     if x.size >= GLUE_PARALLEL_MIN:
         _set_threads(True)
-        _kernels[2](x, np.float32(eps), out)
+        _kernels[2](x, np.float32(eps), out, run_length(x.shape[1], _numba.get_num_threads()))
     else:
         _kernels[6](x, np.float32(eps), out, 0, x.shape[1])
     return out
@@ -215,7 +224,7 @@ def rope_store(qkv, rope, block, offset, cache, heads: int) -> np.ndarray:
     q = np.empty((qkv.shape[1], heads, cache.shape[4]), np.float32)
     if qkv.size >= GLUE_PARALLEL_MIN:
         _set_threads(True)
-        _kernels[4](_rows_of(qkv), rope, block, offset, cache, q)
+        _kernels[4](_rows_of(qkv), rope, block, offset, cache, q, run_length(q.shape[0], _numba.get_num_threads()))
     else:
         _kernels[8](_rows_of(qkv), rope, block, offset, cache, q, 0, q.shape[0])
     return q

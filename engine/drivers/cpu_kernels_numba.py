@@ -18,7 +18,6 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 ROWS_PER_TASK = 32  # weight rows per parallel task: enough work to hide the task's start-up
-TOKEN_RUN = 64  # tokens per task of the glue kernels: inner loops long enough to vectorize
 # No nnan/ninf: the running maximum of the softmax starts at -inf.
 FASTMATH = {"nsz", "arcp", "contract", "afn", "reassoc"}
 # NumPy's error model: a float division by zero gives inf instead of raising. Python's model
@@ -148,7 +147,7 @@ def paged_attention(q, cache, tables, table_of, lengths, out):
             for e in range(hd):
                 out[n, base + e] = acc[g, e] * inv
 
-# The glue kernels give each thread runs of TOKEN_RUN tokens and keep their inner loops
+# The glue kernels give each thread runs of tokens (cpu_kernels.run_length) and keep their inner loops
 # along contiguous tokens. They index from a run's start with unsigned integers: with a
 # signed index numba adds a negative-index fix-up that stops LLVM from vectorizing
 # (measured: 3-4x slower), and a serial helper keeps the loops out of the parallel
@@ -174,11 +173,11 @@ def rms_run(x, eps, out, t0, n):
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True, boundscheck=False, error_model=ERRORS)
-def rms_scale(x, eps, out):
+def rms_scale(x, eps, out, size):
     """out = x / rms(x) per token of a feature-major x (features, T)."""
     tokens = x.shape[1]
-    for run in prange((tokens + TOKEN_RUN - 1) // TOKEN_RUN):
-        rms_run(x, eps, out, run * TOKEN_RUN, min(TOKEN_RUN, tokens - run * TOKEN_RUN))
+    for run in prange((tokens + size - 1) // size):
+        rms_run(x, eps, out, run * size, min(size, tokens - run * size))
 
 
 @njit(fastmath=FASTMATH, cache=True, boundscheck=False, error_model=ERRORS)
@@ -226,15 +225,14 @@ def rope_run(qkv, rope, block, offset, cache, q_out, t0, n):
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True, boundscheck=False, error_model=ERRORS)
-def rope_store(qkv, rope, block, offset, cache, q_out):
+def rope_store(qkv, rope, block, offset, cache, q_out, size):
     """Rotates each token's Q and K heads (adjacent pairs are one complex number; rope
     (T, hd) holds cos, sin interleaved for each token's position), writes K and V into
     the paged cache at (block, offset), and Q token-major into q_out (T, heads, hd).
     Runs of tokens go to threads independently: no two tokens of a step share a slot."""
     tokens = q_out.shape[0]
-    for run in prange((tokens + TOKEN_RUN - 1) // TOKEN_RUN):
-        rope_run(qkv, rope, block, offset, cache, q_out, run * TOKEN_RUN,
-                 min(TOKEN_RUN, tokens - run * TOKEN_RUN))
+    for run in prange((tokens + size - 1) // size):
+        rope_run(qkv, rope, block, offset, cache, q_out, run * size, min(size, tokens - run * size))
 
 
 @njit(fastmath=FASTMATH, cache=True, boundscheck=False, error_model=ERRORS)

@@ -182,8 +182,21 @@ def test_silu_divides_whole_vectors():
     from poot.engine.drivers import cpu_kernels_numba as nb
 
     # A fresh build with the kernel's own options: numba shows no assembly for cached code.
-    options = {k: v for k, v in nb.silu_rows.targetoptions.items() if k != "cache"}
+    options = {k: v for k, v in nb.silu_rows.targetoptions.items() if k not in ("cache", "nopython")}
     fresh = numba.njit(**options)(nb.silu_rows.py_func)
     fresh(np.ones((8, 40), np.float32), np.empty((4, 40), np.float32), 0, 4)
     asm = "".join(fresh.inspect_asm().values())
     assert re.search(r"\b(vdivps|vrcp14ps|vrcpps)\b", asm), "SiLU's division is not vectorized"
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
+@pytest.mark.parametrize("tokens", [1, 63, 64, 80, 176, 200, 512, 2048])
+def test_glue_runs_give_every_thread_the_same_number_of_runs(tokens, threads):
+    """A 176-token chunk in runs of 64 gave one of two threads 128 tokens and the other 48.
+    Runs now come in a multiple of the thread count, as even as whole tokens allow, and
+    no longer than TOKEN_RUN."""
+    run = cpu_kernels.run_length(tokens, threads)
+    runs = -(-tokens // run)
+    assert 1 <= run <= cpu_kernels.TOKEN_RUN
+    assert runs % threads == 0 or runs < threads
+    assert runs * run - tokens < runs  # the last run is short by less than one token per run
