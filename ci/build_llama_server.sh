@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Builds llama.cpp's `llama-server` offline, CPU only, from the llama.cpp source vendored in a
+# pinned llama-cpp-python sdist on PyPI. The build is cached outside the repository: a second
+# run with the binary present prints its path and does nothing else.
+#
+#   ci/build_llama_server.sh            # prints the path of llama-server when done
+#   LLAMA_SERVER_CACHE=/some/dir ci/build_llama_server.sh
+#
+# About 12 minutes on 2 cores. Needs cmake and a C++ compiler (Debian: cmake g++).
+set -euo pipefail
+
+version="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
+cache="${LLAMA_SERVER_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/poot/llama-server-$version}"
+binary="$cache/build/bin/llama-server"
+
+if [ -x "$binary" ]; then
+  echo "$binary"
+  exit 0
+fi
+for tool in cmake c++ python3; do
+  command -v "$tool" >/dev/null || { echo "build_llama_server: $tool is missing (Debian: apt-get install cmake g++)" >&2; exit 2; }
+done
+
+mkdir -p "$cache"
+sdist="$cache/llama_cpp_python-$version.tar.gz"
+if [ ! -f "$sdist" ]; then
+  echo "build_llama_server: downloading the llama-cpp-python $version sdist" >&2
+  python3 -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$version" -d "$cache" >&2
+fi
+src="$cache/llama_cpp_python-$version/vendor/llama.cpp"
+[ -d "$src" ] || tar -xzf "$sdist" -C "$cache"
+
+jobs="$(nproc 2>/dev/null || echo 2)"
+echo "build_llama_server: configuring and building llama-server with $jobs jobs" >&2
+# Offline and lean: no curl or OpenSSL, no web UI (its prebuilt copy would be downloaded),
+# no tests, tools or examples beyond the server itself.
+cmake -S "$src" -B "$cache/build" -DCMAKE_BUILD_TYPE=Release \
+  -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
+  -DLLAMA_BUILD_HTML=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+  -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_APP=OFF \
+  -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF >&2
+cmake --build "$cache/build" --target llama-server -j "$jobs" >&2
+[ -x "$binary" ] || { echo "build_llama_server: the build finished but $binary is missing" >&2; exit 1; }
+echo "$binary"
