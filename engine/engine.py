@@ -10,7 +10,6 @@ Each iteration runs five phases, in this order:
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import queue
@@ -29,7 +28,7 @@ from .params import InvalidRequest, SamplingParams
 from .plan import Plan, fit_plan
 from .prefix_cache import PrefixCache
 from .scheduler import Scheduled, Scheduler
-from .sequence import Sequence, Status
+from .sequence import Sequence
 from .speculative import make_draft_policy
 from .step_tokens import StepTokens
 from .stops import StopChecker
@@ -37,7 +36,6 @@ from .stops import StopChecker
 log = logging.getLogger("poot.engine")
 
 IDLE_WAIT_S = 0.05
-PREEMPT_AFTER = 10  # iterations; the preempt_youngest mutation only
 
 
 class EngineDead(RuntimeError):
@@ -59,19 +57,24 @@ class _Job:
 
 
 class Engine:
-    def __init__(self, model, driver: Driver, plan: Plan, draft_policy=None,
-                 mutations: frozenset[str] = frozenset()):
-        """`driver` must be prepared for `plan`; `Engine.create` does both."""
+    def __init__(self, model, driver: Driver, plan: Plan, draft_policy=None, *,
+                 scheduler: type[Scheduler] = Scheduler, prefix_cache: type[PrefixCache] = PrefixCache,
+                 stop_checker: type[StopChecker] = StopChecker,
+                 random_stream: Callable[[int | None], np.random.Generator] = np.random.default_rng):
+        """`driver` must be prepared for `plan`; `Engine.create` does both. The scheduler, the
+        prefix cache, the stop checker and each request's random stream (from its seed) are
+        the engine's parts, passed as the classes or function that build them."""
         self.model = model
         self.driver = driver
         self.plan = plan
         if draft_policy is not None:
             driver.draft_policy = draft_policy  # the driver owns its draft policy; the loop only asks it
-        self.mutations = mutations
         self.pool = BlockPool(plan.num_blocks)
         # Every family gets a prefix cache; a recurrent one registers nothing, and says so.
-        self.prefix_cache = PrefixCache(self.pool, plan, model.name, mutations)
-        self.scheduler = Scheduler(plan, self.pool, self.prefix_cache, mutations)
+        self.prefix_cache = prefix_cache(self.pool, plan, model.name)
+        self.scheduler = scheduler(plan, self.pool, self.prefix_cache)
+        self.stop_checker = stop_checker
+        self.random_stream = random_stream
         self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
         self._ids = itertools.count(1)
         self._in_flight: dict[int, Sequence | _Job] = {}
@@ -80,18 +83,18 @@ class Engine:
         self._stopping = threading.Event()
         self._wake = threading.Event()
         self._panic_armed = False
-        self._waited_iterations = 0  # the preempt_youngest mutation only
         self._health = Health("ok")
         self.counters: Counter[str] = Counter()
         self.step_tokens = StepTokens(plan)
         self.finished_by_reason: Counter[str] = Counter(dict.fromkeys(("stop", "length", "cancelled", "error"), 0))
 
     @classmethod
-    def create(cls, model, backend: str = "auto", draft: str | None = None,
-               mutations: frozenset[str] = frozenset(), driver: Driver | None = None) -> Engine:
+    def create(cls, model, backend: str = "auto", draft: str | None = None, driver: Driver | None = None,
+               **parts) -> Engine:
+        """Fits the plan to the driver's device and prepares the driver; `parts` go to __init__."""
         from .drivers import make_driver
 
-        driver = driver or make_driver(backend, mutations)
+        driver = driver or make_driver(backend)
         plan = fit_plan(driver.device(), model.config, driver.weight_bytes(model), model.name)
         driver.prepare(plan, model)
         draft_policy = None
@@ -100,7 +103,7 @@ class Engine:
                 # A rejected draft would already be folded into the row's recurrent state.
                 raise ValueError(f"speculative decoding needs a per-token KV cache; {model.name} keeps recurrent state")
             draft_policy = make_draft_policy(draft)
-        return cls(model, driver, plan, draft_policy, mutations)
+        return cls(model, driver, plan, draft_policy, **parts)
 
     @property
     def draft_policy(self):
@@ -213,12 +216,7 @@ class Engine:
                 return
             try:
                 prompt = self._tokenize(job.prompt)
-                if "clamp_max_tokens" in self.mutations:  # cut to fit instead of refused
-                    room = max(1, min(job.params.max_tokens, self.plan.positions - len(prompt)))
-                    job.params = dataclasses.replace(job.params, max_tokens=room)
                 self._check_fits(prompt, job.params)
-                if "refuse_when_full" in self.mutations and not self.scheduler.free_rows:
-                    raise InvalidRequest("no free row now", "max_tokens")  # the mutation: no waiting
             except InvalidRequest as e:
                 self._reject(job, str(e), e.param)
                 continue
@@ -227,8 +225,8 @@ class Engine:
                 self._reject(job, f"the prompt could not be tokenized: {type(e).__name__}", "prompt")
                 continue
             decode = self.model.tokenizer.decode
-            rng = np.random.default_rng(None if "ignore_seed" in self.mutations else job.params.seed)
-            seq = Sequence(job.handle, prompt, job.params, StopChecker(decode, job.params.stop), rng)
+            rng = self.random_stream(job.params.seed)
+            seq = Sequence(job.handle, prompt, job.params, self.stop_checker(decode, job.params.stop), rng)
             with self._lock:
                 self._in_flight[job.handle.request_id] = seq
             self.counters["prompt_tokens"] += len(prompt)
@@ -261,28 +259,16 @@ class Engine:
     # phase 2
     def _release_cancelled(self) -> None:
         s = self.scheduler
-        candidates = s.running if "keep_cancelled_waiting" in self.mutations else (*s.waiting, *s.running)
-        gone = [q for q in candidates if q.handle.cancelled.is_set()]
+        gone = [q for q in (*s.waiting, *s.running) if q.handle.cancelled.is_set()]
         for seq in gone:
             self._finish(seq, "cancelled")
 
     # phase 3
     def _open_waiting(self) -> None:
-        if "preempt_youngest" in self.mutations:
-            self._preempt_youngest()
         for seq in self.scheduler.open_waiting():
             seq.num_cached = seq.num_computed  # a prefix-cache hit starts past its cached blocks
             self.counters["prefix_queried_tokens"] += len(seq.prompt)
             self.counters["prefix_hit_tokens"] += seq.num_cached
-
-    def _preempt_youngest(self) -> None:
-        """The preempt_youngest mutation: a request kept waiting for a row for PREEMPT_AFTER
-        iterations takes the row of the youngest running request, which ends with an error."""
-        s = self.scheduler
-        self._waited_iterations = self._waited_iterations + 1 if s.waiting and not s.free_rows else 0
-        if self._waited_iterations > PREEMPT_AFTER and s.running:
-            self._waited_iterations = 0
-            self._finish(max(s.running, key=lambda q: q.arrival), "error", "preempted for a waiting request")
 
     # phase 4
     def _step(self) -> tuple[list[Scheduled], np.ndarray | None]:
@@ -292,19 +278,17 @@ class Engine:
         try:
             out = self.driver.step([s.work for s in scheduled])
         except StepRefused as e:
-            if "refuse_kills_engine" in self.mutations:
-                raise DeviceFault(str(e)) from e
-            # Nothing ran: only this step's requests fail, their rows and blocks go back.
-            for s in scheduled:
-                self._finish(s.seq, "error", f"the driver refused the step: {e}")
-            if "refuse_fails_waiting" in self.mutations:  # requests that were not in the step fail too
-                for seq in list(self.scheduler.waiting):
-                    self._finish(seq, "error", f"the driver refused the step: {e}")
+            self._refused(scheduled, e)
             return [], None
         self.counters["steps"] += 1
         self.step_tokens.observe(sum(len(s.work.tokens) for s in scheduled),
                                  decoding=any(not s.seq.prefilling for s in scheduled))
         return scheduled, out.logits
+
+    def _refused(self, scheduled: list[Scheduled], e: StepRefused) -> None:
+        """Nothing ran: only this step's requests fail, their rows and blocks go back."""
+        for s in scheduled:
+            self._finish(s.seq, "error", f"the driver refused the step: {e}")
 
     # phase 5
     def _commit(self, scheduled: list[Scheduled], logits: np.ndarray | None) -> None:
@@ -333,9 +317,9 @@ class Engine:
                 reason = "stop"
             elif self._ends_on_eos(seq, token):
                 reason = "stop"
-            elif len(seq.output) >= seq.params.max_tokens + ("off_by_one_max_tokens" in self.mutations):
+            elif self._reached_max_tokens(seq):
                 reason = "length"
-            if reason or i >= len(drafts) or (token != drafts[i] and "accept_all_drafts" not in self.mutations):
+            if reason or i >= len(drafts) or not self._accepts(drafts[i], token):
                 break
         if was_decoding:  # KV now holds the fed token and every accepted draft
             seq.num_computed += len(kept)
@@ -350,20 +334,21 @@ class Engine:
             self._finish(seq, reason)
 
     def _ends_on_eos(self, seq: Sequence, token: int) -> bool:
-        return (token in self.model.tokenizer.eos_token_ids and not seq.params.ignore_eos
-                and "continue_after_eos" not in self.mutations)
+        return token in self.model.tokenizer.eos_token_ids and not seq.params.ignore_eos
+
+    def _reached_max_tokens(self, seq: Sequence) -> bool:
+        return len(seq.output) >= seq.params.max_tokens
+
+    def _accepts(self, draft: int, token: int) -> bool:
+        """A draft is accepted when the target's token at its position equals it."""
+        return token == draft
 
     # ---- endings ------------------------------------------------------------------------
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
         # A request that ended normally releases what it held back; a stop string was cut already.
         tail = seq.stops.flush() if reason in ("stop", "length") else ""
-        if reason == "stop" and "keep_stop_string" in self.mutations:  # the cut stop string goes out too
-            tail += seq.stops.decode(seq.stops.ids)[len(seq.stops.text):]
-        if "stop_keeps_row" in self.mutations and reason == "stop" and seq.stops.text != seq.stops.decode(seq.stops.ids):
-            registered, seq.status = 0, Status.FINISHED  # the mutation: ended by a stop string, never released
-        else:
-            registered = self.scheduler.release(seq)
+        registered = self.scheduler.release(seq)
         if registered is None:  # a recurrent family: its blocks would hold none of its state
             self.counters["prefix_skipped_releases"] += 1
         else:

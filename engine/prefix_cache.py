@@ -13,13 +13,6 @@ A request's blocks go back to the pool when it is released; the registered ones 
 
 Recurrent-state families (plan.num_blocks == 0) register nothing: a block would hold none of
 the state a later request needs. `release` says so by returning None.
-
-Mutations, deliberate defects the conformance suite uses to prove its checks can fail:
-- leak_block_on_cancel: a cancelled request does not return its last block;
-- register_recurrent_prefix: a recurrent family reports its prompt's blocks as registered;
-- no_prefix_reuse: lookups never hit;
-- no_prefix_registration: no release registers anything;
-- no_cancel_prefix: a cancelled request registers nothing.
 """
 
 from __future__ import annotations
@@ -46,11 +39,10 @@ class Entry:
 
 
 class PrefixCache:
-    def __init__(self, pool: BlockPool, plan: Plan, model_name: str, mutations: frozenset[str] = frozenset()):
+    def __init__(self, pool: BlockPool, plan: Plan, model_name: str):
         self.pool = pool
         self.block_size = plan.block_size
         self.recurrent = plan.num_blocks == 0
-        self.mutations = mutations
         self.root = hashlib.blake2b(model_name.encode(), digest_size=16).digest()
         self.by_key: dict[bytes, int] = {}
         self.entries: dict[int, Entry] = {}  # registered block -> what it holds
@@ -73,8 +65,6 @@ class PrefixCache:
 
     def match(self, prompt: list[int]) -> list[int]:
         """Registered blocks that hold the prompt's leading whole blocks, never its last token."""
-        if "no_prefix_reuse" in self.mutations:
-            return []
         bs, key, hits = self.block_size, self.root, []
         for i in range((len(prompt) - 1) // bs):
             tokens = tuple(prompt[i * bs : (i + 1) * bs])
@@ -90,19 +80,11 @@ class PrefixCache:
         the prompt tokens newly registered, or None when the family registers nothing."""
         filled = min(seq.num_computed, len(seq.prompt)) // self.block_size
         if self.recurrent:
-            if "register_recurrent_prefix" in self.mutations:
-                return filled * self.block_size
             return None
-        cancelled = seq.handle.cancelled.is_set()
-        if "no_prefix_registration" in self.mutations or ("no_cancel_prefix" in self.mutations and cancelled):
-            filled = 0
         registered = self._register(seq.prompt, seq.block_table[:filled])
-        table = seq.block_table
-        if "leak_block_on_cancel" in self.mutations and cancelled and table:
-            table = table[:-1]
         # Last blocks first: a chain's tail holds the most tokens and is the least likely hit,
         # so it becomes the least recently used and is evicted first.
-        self.pool.free(reversed(table))
+        self.pool.free(reversed(seq.block_table))
         return registered
 
     def _register(self, prompt: list[int], blocks: list[int]) -> int:

@@ -32,14 +32,13 @@ class Scheduled:
 
 
 class Scheduler:
-    def __init__(self, plan: Plan, pool: BlockPool, prefix_cache=None, mutations: frozenset[str] = frozenset()):
+    def __init__(self, plan: Plan, pool: BlockPool, prefix_cache=None):
         self.plan = plan
         self.pool = pool
         self.prefix_cache = prefix_cache
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.free_rows: list[int] = list(range(plan.rows - 1, -1, -1))
-        self.mutations = mutations  # deliberate defects, see mutations.py
 
     @property
     def num_reserved_blocks(self) -> int:
@@ -48,10 +47,11 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    # phase 3: open waiting requests, oldest first, while a row and KV room remain
     def open_waiting(self) -> list[Sequence]:
         opened = []
         while self.waiting and self.free_rows:
-            seq = self.waiting[-1] if "youngest_first" in self.mutations else self.waiting[0]
+            seq = self.next_waiting()
             if not self._reserve(seq):
                 break  # the oldest waits for room; nothing younger goes ahead of it
             self.waiting.remove(seq)
@@ -61,12 +61,18 @@ class Scheduler:
             opened.append(seq)
         return opened
 
+    def next_waiting(self) -> Sequence:
+        """The request admission considers next: the oldest."""
+        return self.waiting[0]
+
+    def blocks_needed(self, seq: Sequence) -> int:
+        """Blocks reserved at open: the prompt plus the whole max_tokens."""
+        return self.plan.blocks_for(seq.num_reserved_tokens)
+
     def _reserve(self, seq: Sequence) -> bool:
         if self.plan.num_blocks == 0:  # recurrent family: a row's state slot is all it needs
             return True
-        need = self.plan.blocks_for(seq.num_reserved_tokens)
-        if "reserve_prompt_only" in self.mutations:
-            need = self.plan.blocks_for(len(seq.prompt) + 1)
+        need = self.blocks_needed(seq)
         if self.prefix_cache is not None:
             table = self.prefix_cache.open(seq, need)
             if table is None:
@@ -78,18 +84,12 @@ class Scheduler:
         seq.block_table = self.pool.allocate(need)
         return True
 
+    # phase 4: what each row computes in this step, within the token budget
     def schedule(self, draft_policy=None) -> list[Scheduled]:
         steps: list[Scheduled] = []
-        running = self.running
-        if "stop_keeps_row" in self.mutations:  # finished requests left holding their rows are not stepped
-            running = [s for s in running if s.status is Status.RUNNING]
-        decoding = [s for s in running if not s.prefilling]
-        if "one_row_per_step" in self.mutations:  # the rows take turns instead of sharing steps
-            decoding = decoding[:1]
+        decoding = self.decoding_rows()
         budget = self.plan.prefill_budget(decoding=bool(decoding))
         room = max(0, budget - len(decoding))  # every decoding row gets its token first
-        if "reserve_prompt_only" in self.mutations:
-            decoding = [q for q in decoding if self._grow_table(q)]
         for seq in decoding:
             drafts = draft_policy.propose(seq, room, len(decoding)) if draft_policy else []
             # Within the budget, and a round commits at most max_tokens - len(output) tokens
@@ -100,32 +100,26 @@ class Scheduler:
             steps.append(Scheduled(seq, RowWork(seq.row, np.array(feed, np.int32), seq.num_computed,
                                                 seq.block_table, len(feed)), drafts))
         budget -= sum(len(s.work.tokens) for s in steps)
-        for seq in sorted((s for s in running if s.prefilling), key=lambda s: s.arrival):
+        for seq in sorted((s for s in self.running if s.prefilling), key=lambda s: s.arrival):
             if budget <= 0:
                 break
-            whole = "no_prefill_budget" if decoding else "no_idle_prefill_budget"  # the deliberate defects
-            take = len(seq.prompt) if whole in self.mutations else budget
-            start = seq.num_computed
-            if "prefix_hit_refeeds_prompt" in self.mutations and seq.num_cached:  # the prompt from its start
-                start, take = start - seq.num_cached, min(take, len(seq.prompt) - seq.num_computed)
-            chunk = seq.prompt[start : start + take]
+            chunk = self.prefill_chunk(seq, budget, bool(decoding))
             last = seq.num_computed + len(chunk) == len(seq.prompt)
             steps.append(Scheduled(seq, RowWork(seq.row, np.array(chunk, np.int32), seq.num_computed,
                                                 seq.block_table, 1 if last else 0)))
             budget -= len(chunk)
-        if "prefill_only_steps" in self.mutations and len(steps) > len(decoding):
-            steps = steps[len(decoding):]
         return steps
 
-    def _grow_table(self, seq: Sequence) -> bool:
-        """Only under the reserve_prompt_only defect: blocks on demand, which can run dry."""
-        if seq.num_computed < len(seq.block_table) * self.plan.block_size:
-            return True
-        if not self.pool.can_allocate(1):
-            return False
-        seq.block_table.extend(self.pool.allocate(1))
-        return True
+    def decoding_rows(self) -> list[Sequence]:
+        """The running requests past their prompt: each gets a token in every step."""
+        return [s for s in self.running if not s.prefilling]
 
+    def prefill_chunk(self, seq: Sequence, budget: int, decoding: bool) -> list[int]:
+        """The next prompt tokens a prefilling row feeds, at most `budget` of them (`decoding`:
+        whether decoding rows share the step, which only sizes the budget)."""
+        return seq.prompt[seq.num_computed : seq.num_computed + budget]
+
+    # phase 2 and endings
     def release(self, seq: Sequence) -> int | None:
         """Returns the row and the blocks; a sequence in no list is left alone. Returns the
         prompt tokens the release registered for prefix reuse, None for a family that

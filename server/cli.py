@@ -25,10 +25,10 @@ SWITCH_INTERVAL_S = 0.0005
 MAX_STEP_DELAY_S = 1.0  # --step-delay (test-only) slows steps; it never changes the plan
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(cls: type[argparse.ArgumentParser] = argparse.ArgumentParser) -> argparse.ArgumentParser:
     from poot.engine.drivers import BACKENDS
 
-    p = argparse.ArgumentParser(
+    p = cls(
         prog="poot-serve", allow_abbrev=False,
         description="OpenAI-compatible server over the poot engine (one scheduling loop, paged KV).")
     p.add_argument("--model", default=None,
@@ -42,8 +42,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fault-injection", action="store_true",
                    help="enable POST /debug/fault to make the engine refuse a step, fault or panic (tests only)")
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="log level (default: info)")
-    # Test-only, hidden: deliberate defects for the conformance suite's proof that checks can fail.
-    p.add_argument("--mutation", action="append", default=[], help=argparse.SUPPRESS)
     # Test-only, hidden: sleep this many seconds before each driver step, so that steps of the
     # tiny synthetic model last long enough to be watched (cancellation, draining, faults). It
     # wraps the driver's step and nothing else: rows, positions and blocks are still fitted by
@@ -57,23 +55,16 @@ def fail(message: str, code: int = 2) -> int:
     return code
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args, unknown = parser.parse_known_args(argv)
-    if "rows_option" in args.mutation:  # the mutation: an option that claims to set the rows
-        parser.add_argument("--max-num-seqs", type=int, default=None, help=argparse.SUPPRESS)
-        args, unknown = parser.parse_known_args(argv)
+def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None,
+         state_class=None, app_factory=None) -> int:
+    """Runs the server. `parser`, `state_class` (a ServerState) and `app_factory` (state -> ASGI
+    app) are the parts it is built from; by default this module's parser and the app's own."""
+    parser = parser or build_parser()
+    args = parser.parse_args(argv)  # an unknown option exits 2, before anything loads
 
     from poot.engine.models.base import ModelLoadError
 
-    from . import loading, mutations
-
-    if unknown and "accept_unknown_options" not in args.mutation:
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")  # exits 2, before anything loads
-    try:
-        engine_mutations, server_mutations = mutations.split(args.mutation)
-    except ValueError as e:
-        return fail(str(e))
+    from . import loading
     if not 0 <= args.step_delay <= MAX_STEP_DELAY_S:  # also refuses nan
         return fail(f"--step-delay must be between 0 and {MAX_STEP_DELAY_S} seconds")
     if args.draft != "none" and importlib.util.find_spec("poot.engine.speculative") is None:
@@ -88,16 +79,13 @@ def main(argv: list[str] | None = None) -> int:
     level = "DEBUG" if args.log_level == "trace" else args.log_level.upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    from .app import ServerState, build_app
+    from .app import build_app
+    from .state import ServerState
 
-    state = ServerState(model_spec=args.model, backend=args.backend,
-                        draft=None if args.draft == "none" else args.draft,
-                        engine_mutations=engine_mutations, mutations=server_mutations,
-                        fault_injection=args.fault_injection, step_delay=args.step_delay)
-    if server_mutations or engine_mutations:
-        logging.getLogger("poot.server").warning("MUTATIONS ON (deliberate defects): %s",
-                                                 ", ".join(sorted(engine_mutations | server_mutations)))
-    config = uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level=args.log_level,
+    state = (state_class or ServerState)(model_spec=args.model, backend=args.backend,
+                                         draft=None if args.draft == "none" else args.draft,
+                                         fault_injection=args.fault_injection, step_delay=args.step_delay)
+    config = uvicorn.Config((app_factory or build_app)(state), host=args.host, port=args.port, log_level=args.log_level,
                             lifespan="on", timeout_graceful_shutdown=5)
     server = DrainingServer(config, state)
     state.request_exit = server.exit_now
@@ -126,11 +114,7 @@ class DrainingServer(uvicorn.Server):
                 self.force_exit = True
             self.should_exit = True
             return
-        state.draining = True
-        if "drain_cancels_inflight" in state.mutations:  # the mutation: shutdown cuts requests off
-            with state.engine._lock:
-                for item in list(state.engine._in_flight.values()):
-                    item.handle.cancel()
+        state.begin_drain()
         log.info("%s: draining %d request(s) in flight", signal.Signals(sig).name, state.engine.in_flight())
 
 

@@ -43,12 +43,8 @@ class EngineCollector(Collector):
         if engine is None:  # still loading: nothing to report yet
             return
         m = engine.metrics()
-        muts = self.state.mutations
-        if muts:
-            m = mutated(m, muts)
-        skip = {"engine_steps"} if "no_metrics_steps" in muts else set()
         for name, help_text in COUNTERS.items():
-            if name in m and name not in skip:
+            if name in m:
                 yield CounterMetricFamily(name, help_text, value=m[name])
         for name, help_text in GAUGES.items():
             if name in m:
@@ -72,24 +68,6 @@ def step_tokens_family(hist: dict) -> HistogramMetricFamily:
         buckets = [(str(float(b)), c) for b, c in zip(hist["bounds"], h["buckets"], strict=True)]
         family.add_metric([label], buckets + [("+Inf", h["count"])], sum_value=h["sum"])
     return family
-
-
-def mutated(m: dict, muts: frozenset[str]) -> dict:
-    """The metric mutations (see mutations.py): deliberately wrong values."""
-    m = dict(m)
-    if "count_stop_as_length" in muts:
-        finished = dict(m.get(FINISHED[0], {}))
-        finished["length"] = finished.get("length", 0) + finished.pop("stop", 0)
-        m[FINISHED[0]] = finished
-    if "rows_gauge_off_by_one" in muts:
-        m["engine_rows"] += 1
-    if "in_use_counts_cached" in muts:
-        m["kv_blocks_in_use"] += m["kv_blocks_cached"]
-    if "hit_rate_percent" in muts:
-        m["prefix_cache_hit_rate"] *= 100
-    if "spec_counters_swapped" in muts:
-        m["spec_drafted_tokens"], m["spec_accepted_tokens"] = m["spec_accepted_tokens"], m["spec_drafted_tokens"]
-    return m
 
 
 def make_registry(state) -> CollectorRegistry:

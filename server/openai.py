@@ -47,12 +47,12 @@ class Parsed:
     include_usage: bool
 
 
-def parse_body(raw: bytes, objects_only: bool = True) -> dict:
+def parse_body(raw: bytes) -> dict:
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise bad(f"the request body is not valid JSON: {e}", None, "invalid_json") from None
-    if not isinstance(body, dict) and objects_only:  # objects_only False: the non_object_body_500 mutation
+    if not isinstance(body, dict):
         raise bad(f"the request body must be a JSON object, not {type(body).__name__}", None, "invalid_json")
     return body
 
@@ -216,13 +216,12 @@ def full_response(p: Parsed, rid: str, model: str, text: str, finish_reason: str
 class ChunkMaker:
     """Builds the SSE events of one stream; every chunk shares one id and created time."""
 
-    def __init__(self, p: Parsed, rid: str, model: str, same_id: bool = True):
+    def __init__(self, p: Parsed, rid: str, model: str):
         self.p, self.rid, self.model = p, rid, model
         self.created = int(time.time())
-        self.same_id = same_id  # False: the chunk_ids_differ mutation
 
     def _chunk(self, choices: list, usage_value=None, with_usage: bool = False) -> str:
-        obj = {"id": self.rid if self.same_id else new_id(self.p.chat), "object": "chat.completion.chunk" if self.p.chat else "text_completion",
+        obj = {"id": self.rid, "object": "chat.completion.chunk" if self.p.chat else "text_completion",
                "created": self.created, "model": self.model, "choices": choices}
         if self.p.include_usage or with_usage:
             obj["usage"] = usage_value

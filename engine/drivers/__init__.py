@@ -7,12 +7,12 @@ from .base import DeviceFault, Driver, RowWork, StepOutput, StepRefused
 BACKENDS = ("auto", "numpy")  # ptx, rocm (CuPy) and wgpu, vulkan (wgpu) join as their drivers land
 
 
-def make_driver(backend: str = "auto", mutations: frozenset[str] = frozenset()) -> Driver:
+def make_driver(backend: str = "auto") -> Driver:
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; this build has: {', '.join(BACKENDS)}")
     from .numpy_driver import NumpyDriver
 
-    return NumpyDriver(mutations=mutations)
+    return NumpyDriver()
 
 
 __all__ = ["BACKENDS", "DeviceFault", "Driver", "RowWork", "StepOutput", "StepRefused", "make_driver"]

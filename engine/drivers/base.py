@@ -90,8 +90,6 @@ class Driver(ABC):
     def _check(self, batch: list[RowWork]) -> None:
         plan = self.plan
         total = sum(len(w.tokens) for w in batch)
-        if {"no_prefill_budget", "no_idle_prefill_budget"} & set(getattr(self, "mutations", ())):
-            total = 0
         if len(batch) > plan.rows or total > plan.max_step_tokens:
             raise StepRefused(f"step of {len(batch)} rows and {total} tokens exceeds the plan")
 

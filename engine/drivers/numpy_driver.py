@@ -31,12 +31,9 @@ def host_memory_bytes() -> int:
 class NumpyDriver(Driver):
     backend = "numpy"
 
-    def __init__(self, memory_bytes: int | None = None, mutations: frozenset[str] = frozenset(),
-                 kernels: bool = True, mkl: bool = True):
+    def __init__(self, memory_bytes: int | None = None, kernels: bool = True, mkl: bool = True):
         super().__init__()
         self._memory = memory_bytes
-        self.mutations = mutations  # deliberate defects, for tests that prove checks can fail
-        self._last_rows = None
         self._want_kernels = kernels  # False: the plain NumPy path (tests compare the two)
         self._want_mkl = mkl  # False: products of many tokens on NumPy's BLAS, even with MKL installed
         self.kernels = None  # cpu_kernels.Kernels once compiled in prepare()
@@ -80,20 +77,26 @@ class NumpyDriver(Driver):
         self._built()
 
     def _run(self, batch: list[RowWork]) -> StepOutput:
-        if "recompile_on_batch_change" in self.mutations and len(batch) != self._last_rows:
-            self._built()
-        self._last_rows = len(batch)
         if self.config.family == "mamba":
-            logits = mamba.forward(np, self.config, self.model, batch, "stale_recurrent_state" not in self.mutations)
+            self.start_fresh_rows(batch)
+            logits = mamba.forward(np, self.config, self.model, batch)
             return StepOutput(np.ascontiguousarray(logits, dtype=np.float32))
-        # With the kernels, rows of up to PAGED_ROW_TOKENS tokens (decode, speculative
-        # verification) attend in place; without them only decode rows are paged queries.
-        paged_upto = PAGED_ROW_TOKENS if self.kernels is not None else 1
-        layout = llama.step_layout(batch, self.plan.block_size, "shared_position" in self.mutations, paged_upto)
+
+        layout = self.layout(batch)
         tokens = np.concatenate([w.tokens for w in batch]).astype(np.int64)
-        logits = llama.forward(np, self.config, self.model, self.kv, tokens, layout,
-                               mask_lengths="no_length_mask" not in self.mutations, kernels=self.kernels)
+        logits = llama.forward(np, self.config, self.model, self.kv, tokens, layout, kernels=self.kernels)
         if self.kernels is not None and self.kernels.specializations() != self._specializations:
             self._specializations = self.kernels.specializations()  # a kernel compiled for new types
             self._built()
         return StepOutput(np.ascontiguousarray(logits, dtype=np.float32))
+
+    def start_fresh_rows(self, batch: list[RowWork]) -> None:
+        """A recurrent family: a row opened by a new sequence starts from zero state."""
+        mamba.reset_rows(self.model, [w.row for w in batch if w.start == 0])
+
+    def layout(self, batch: list[RowWork]) -> llama.StepLayout:
+        """Where each fed token sits: positions, KV slots, and which rows attend in place.
+        With the kernels, rows of up to PAGED_ROW_TOKENS tokens (decode, speculative
+        verification) attend in place; without them only decode rows are paged queries."""
+        paged_upto = PAGED_ROW_TOKENS if self.kernels is not None else 1
+        return llama.step_layout(batch, self.plan.block_size, paged_upto)

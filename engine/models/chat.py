@@ -1,7 +1,7 @@
 """Chat templates: a conversation rendered to the prompt text the model was trained on.
 
 A template comes from the model file, so it is untrusted code: it runs in jinja2's
-ImmutableSandboxedEnvironment (no attribute tricks, no mutation of what it is given, bounded
+ImmutableSandboxedEnvironment (no attribute tricks, no changes to what it is given, bounded
 `range`). The environment matches Hugging Face's apply_chat_template: trim_blocks and
 lstrip_blocks, loop controls, `raise_exception(msg)`, `strftime_now(fmt)`, a `tojson` that
 keeps non-ASCII text, and the special-token texts (`bos_token`, `eos_token`, ...) as variables.

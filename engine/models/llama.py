@@ -143,8 +143,7 @@ def _bias(valid: np.ndarray) -> np.ndarray:
     return np.where(valid, np.float32(0), np.float32(-np.inf)).astype(np.float32)
 
 
-def step_layout(batch: list[RowWork], block_size: int, shared_position: bool = False,
-                paged_upto: int = 1) -> StepLayout:
+def step_layout(batch: list[RowWork], block_size: int, paged_upto: int = 1) -> StepLayout:
     """Rows fed at most `paged_upto` tokens become paged queries; longer rows (prefill
     chunks) are attended chunk-wise with a causal mask."""
     positions, write_block, write_offset, logit_idx = [], [], [], []
@@ -169,8 +168,6 @@ def step_layout(batch: list[RowWork], block_size: int, shared_position: bool = F
         logit_idx.extend(range(offset + n - work.num_logits, offset + n))
         offset += n
     positions = np.concatenate(positions)
-    if shared_position:  # deliberately wrong: used by the mutation test that proves positions matter
-        positions = np.full_like(positions, positions.max())
     width = max((len(t) for t in tables), default=0)
     padded = np.empty((len(tables), width), dtype=np.int64)
     for i, t in enumerate(tables):
@@ -242,7 +239,7 @@ def attention(xp, q, cache, paged, prefills, kv_heads: int, kernels=None):
 
 
 def forward(xp, config: LlamaConfig, model: PreparedLlama, kv: list, tokens, layout: StepLayout,
-            mask_lengths: bool = True, kernels=None):
+            kernels=None):
     """Runs one step; writes each fed token's K/V into the paged caches (one kv_cache_shape()
     array per layer); returns logits (len(layout.logit_idx), vocab) as float32 on the device.
     `kernels` (the CPU driver's cpu_kernels.Kernels, or None) supplies compiled few-token
@@ -258,10 +255,8 @@ def forward(xp, config: LlamaConfig, model: PreparedLlama, kv: list, tokens, lay
     blk, off = xp.asarray(layout.write_block), xp.asarray(layout.write_offset)
     paged = None
     if len(layout.paged_idx):
-        lengths = layout.paged_lengths
-        if not mask_lengths:  # deliberately wrong: every query attends its row's whole padded table
-            lengths = np.full_like(lengths, layout.paged_tables.shape[1] * layout.block_size)
-        paged = (xp.asarray(layout.paged_idx), layout.paged_tables, layout.paged_table_of, lengths, layout.all_paged)
+        paged = (xp.asarray(layout.paged_idx), layout.paged_tables, layout.paged_table_of, layout.paged_lengths,
+                 layout.all_paged)
     prefills = [(first, n, ctx, xp.asarray(blocks), xp.asarray(bias)) for first, n, ctx, blocks, bias in layout.prefills]
     if kernels is not None:
         return _forward_kernels(config, model, kv, x, layout, paged, prefills, kernels)

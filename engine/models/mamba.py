@@ -119,15 +119,19 @@ def silu(xp, x):
     return x / (1.0 + xp.exp(-x))
 
 
-def forward(xp, config: MambaConfig, model: PreparedMamba, batch: list[RowWork], reset_fresh_rows: bool = True):
-    """Runs one step over each row's state slot; returns logits (sum of num_logits, vocab)."""
+def reset_rows(model: PreparedMamba, rows: list[int]) -> None:
+    """Zeroes the state slots of rows a new sequence opens."""
+    if rows:
+        model.conv[:, rows] = 0
+        model.ssm[:, rows] = 0
+
+
+def forward(xp, config: MambaConfig, model: PreparedMamba, batch: list[RowWork]):
+    """Runs one step over each row's state slot; returns logits (sum of num_logits, vocab).
+    Rows a new sequence opens must be reset first (reset_rows)."""
     rows = np.array([w.row for w in batch], dtype=np.int64)
     lengths = np.array([len(w.tokens) for w in batch], dtype=np.int64)
     offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-    fresh = rows[[w.start == 0 for w in batch]]
-    if reset_fresh_rows and len(fresh):  # a sequence that opens a row starts from zero state
-        model.conv[:, fresh] = 0
-        model.ssm[:, fresh] = 0
     tokens = xp.asarray(np.concatenate([w.tokens for w in batch]).astype(np.int64))
     x = model.embed[tokens]
     di, ds, r = config.d_inner, config.d_state, config.dt_rank

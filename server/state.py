@@ -1,0 +1,112 @@
+"""What the routes share: the engine once loaded, and whether the server still takes requests."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+
+from . import loading
+from .openai import ApiError
+
+log = logging.getLogger("poot.server")
+
+
+class ServerState:
+    """Everything the routes share. `engine` is None until the model has loaded."""
+
+    def __init__(self, model_spec: str | None = None, backend: str = "auto", draft: str | None = None,
+                 fault_injection: bool = False, step_delay: float = 0.0):
+        self.model_spec = model_spec
+        self.backend = backend
+        self.draft = draft
+        self.fault_injection = fault_injection
+        self.step_delay = step_delay
+        self.engine = None
+        self.model = None
+        self.model_names: tuple[str, ...] = ()
+        self.created = int(time.time())
+        self.draining = False
+        self.active = 0  # generation requests the app has not finished answering
+        self.exit_code = 0
+        self.request_exit = lambda: None  # set by the CLI: makes uvicorn shut down
+
+    # ---- loading (runs on its own thread while the server already answers /health) ----
+
+    def load(self) -> None:
+        from poot.engine.models.base import ModelLoadError
+
+        try:
+            model = loading.load_model(self.model_spec)
+            engine = self.make_engine(model)
+            engine.start()
+        except ModelLoadError as e:
+            self.fatal(f"poot-serve: cannot load the model: {e}")
+        except Exception as e:  # a plan that does not fit, a driver that cannot start, ...
+            self.fatal(f"poot-serve: cannot start the engine: {type(e).__name__}: {e}")
+        else:
+            self.model = model
+            names = [model.name]
+            if self.model_spec and self.model_spec != model.name:
+                names.append(self.model_spec)
+            self.model_names = tuple(names)
+            self.engine = engine  # last: from here on the server is ready
+            log.info("ready: model %s, plan %s", model.name, engine.plan.as_dict())
+
+    def make_driver(self):
+        from poot.engine.drivers import make_driver
+
+        driver = make_driver(self.backend)
+        return slowed(driver, self.step_delay) if self.step_delay > 0 else driver
+
+    def make_engine(self, model):
+        from poot.engine import Engine
+
+        return Engine.create(model, draft=self.draft, driver=self.make_driver())
+
+    def fatal(self, line: str) -> None:
+        print(line.replace("\n", " "), file=sys.stderr, flush=True)
+        self.exit_code = 1
+        self.request_exit()
+
+    # ---- availability -----------------------------------------------------------------
+
+    def accepting(self) -> bool:
+        """Whether new generation requests are taken: not once draining has begun."""
+        return not self.draining
+
+    def serving_engine(self):
+        engine = self.engine
+        if engine is None:
+            raise ApiError(503, "the model is still loading", code="loading")
+        h = engine.health()
+        if h.status != "ok":
+            raise ApiError(503, f"the engine is dead ({h.cause}): {h.reason}", code="engine_dead")
+        if not self.accepting():
+            raise ApiError(503, "the server is shutting down and takes no new requests", code="draining")
+        return engine
+
+    # ---- draining -----------------------------------------------------------------------
+
+    def begin_drain(self) -> None:
+        """New requests get 503 from now on; the ones in flight run to their end."""
+        self.draining = True
+
+    def drained(self) -> None:
+        """Nothing is in flight any more: the server shuts down and exits 0."""
+        log.info("drained: shutting down")
+        self.request_exit()
+
+
+def slowed(driver, delay: float):
+    """Test-only (--step-delay): the driver sleeps before each step, so steps are slow enough to
+    watch. Only `step` is wrapped: the device the plan is fitted to is the driver's own, so
+    rows, positions and blocks are the same as without it."""
+    step = driver.step
+
+    def slow_step(batch):
+        time.sleep(delay)
+        return step(batch)
+
+    driver.step = slow_step
+    return driver
