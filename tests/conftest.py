@@ -6,6 +6,12 @@ uses one BLAS thread. Benchmarks (benchmarks/) run without this.
 """
 
 import os
+import sys
+from pathlib import Path
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# The deliberately broken servers (tests/poot_mutants) are imported as `poot_mutants`, as the
+# servers the proof starts import them (with tests/ on PYTHONPATH).
+sys.path.insert(0, str(Path(__file__).parent))

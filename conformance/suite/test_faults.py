@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from poot.conformance.client import Client
+from poot.conformance.outcomes import NotSupported
 from poot.conformance.scenarios import Mux, Probes, RawStream, fill_rows, sse_chunks, unique_text
 
 clause = pytest.mark.clause
@@ -64,12 +65,14 @@ def test_serving_goes_on_after_a_refused_step(client: Client, probes: Probes):
     answer = client.complete(unique_text(16), max_tokens=8)
     assert answer["choices"][0]["finish_reason"] in ("stop", "length")
     try:
+        client.need_metrics("kv_blocks_reserved")
+    except NotSupported as e:
+        raise NotSupported(f"the rest held, but no block left reserved cannot be checked: {e}") from None
+    try:
         snap = client.wait_idle(timeout=5)
     except AssertionError as e:
         raise AssertionError(f"blocks stayed reserved after a refused step: {e}") from None
-    except BaseException:  # no /metrics: the rest of the clause held
-        return
-    assert snap.get("kv_blocks_reserved", 0) == 0
+    assert snap.get("kv_blocks_reserved", 0) == 0, f"kv_blocks_reserved is {snap.get('kv_blocks_reserved')} once idle"
 
 
 @dataclass
@@ -81,6 +84,8 @@ class Death:
     after_status: int | None = None
     after_body: dict = field(default_factory=dict)
     after_seconds: float = 0.0
+    held_before: dict | None = None  # kv_blocks_reserved and engine_requests_running before the fault
+    held_after: dict | None = None  # the same once /health says dead; None without /metrics
 
 
 def kill_engine(spawn, kind: str) -> Death:
@@ -91,15 +96,17 @@ def kill_engine(spawn, kind: str) -> Death:
         streams = [RawStream.open(client, unique_text(16), max_tokens=300, temperature=0, ignore_eos=True)
                    for _ in range(3)]
         Mux(streams).run(until=lambda m: all(s.first_data is not None for s in streams), timeout=30)
+        before = held(client)
         client.fault(kind)
         Mux(streams).run(timeout=30)
-        death = Death(streams=len(streams), failed=sum(ended_in_error(s) for s in streams))
+        death = Death(streams=len(streams), failed=sum(ended_in_error(s) for s in streams), held_before=before)
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:
             death.health_status, death.health = client.health()
             if death.health_status != 200:
                 break
             time.sleep(0.02)
+        death.held_after = held(client) if before is not None else None
         start = time.monotonic()
         try:
             r = httpx.post(server.url + "/v1/completions", json=client.body("after", max_tokens=4), timeout=10)
@@ -111,6 +118,18 @@ def kill_engine(spawn, kind: str) -> Death:
         return death
     finally:
         client.close()
+
+
+HELD = ("kv_blocks_reserved", "engine_requests_running")
+
+
+def held(client: Client) -> dict | None:
+    """What the engine reports held, or None when /metrics does not say."""
+    try:
+        snap = client.need_metrics(*HELD)
+    except NotSupported:
+        return None
+    return {name: snap.get(name) for name in HELD}
 
 
 @pytest.fixture(scope="module")
@@ -156,3 +175,18 @@ def test_dead_engine_turns_requests_away(spawn, deaths):
         f"a request to a dead engine answered {death.after_status}, expected 5xx"
     assert isinstance(death.after_body.get("error"), dict), f"no error object: {death.after_body!r}"
     assert death.after_seconds < 5, f"the answer took {death.after_seconds:.1f}s"
+
+
+@clause("faults/dead/4")
+def test_half_applied_step_releases_nothing(spawn, deaths):
+    death = death_by("fault", spawn, deaths)
+    if death.held_before is None or death.held_after is None:
+        raise NotSupported("what the engine holds is read from /metrics (kv_blocks_reserved, "
+                           "engine_requests_running), which this server does not serve")
+    assert death.health.get("status") == "dead", f"/health status {death.health.get('status')!r}, expected 'dead'"
+    before, after = death.held_before, death.held_after
+    assert before["kv_blocks_reserved"] > 0 and before["engine_requests_running"] == death.streams, \
+        f"before the fault the engine reported {before} for {death.streams} running requests"
+    assert after == before, \
+        (f"a half-applied step released what its requests held: {before} before the fault, {after} after "
+         "(rows and blocks whose device state cannot be trusted must stay held)")

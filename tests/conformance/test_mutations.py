@@ -1,58 +1,82 @@
 """Proof the suite can fail: each deliberately broken reference server fails its clause.
 
-For every mutation in poot.conformance.mutations, start the bundled server with the hidden
-`--mutation NAME` and run the suite on the mutation's scope: the clause it breaks must fail,
-the clauses in `also` may fail, every other clause must pass (or be not supported, as against
-the healthy server). A mutation the server does not implement yet is skipped with a reason.
+For every variant in tests/poot_mutants/registry.py, start it (`python -m poot_mutants.serve
+--mutation NAME`) and run the suite on the variant's scope plus its control clause. The proof
+holds when the clause it breaks fails with a reason containing the variant's expected
+substring, the control clause passes (so a variant that cannot start, whose every clause
+"fails", proves nothing and fails here), and no clause outside `also` fails.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+from poot_mutants.registry import CRASH_AT_START, MUTANTS, Mutant
 
-from poot.conformance.mutations import MUTATIONS, Mutation
-from poot.conformance.target import BUNDLED_MODEL, BUNDLED_RECURRENT_MODEL, poot_serve
+from poot.conformance.target import BUNDLED_MODEL, BUNDLED_RECURRENT_MODEL
+
+TESTS = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.slow
 
 
-def implemented() -> set[str]:
-    try:
-        from poot.server.mutations import ALL
-    except ImportError:
-        return set()
-    return set(ALL)
+def command(model: str, names: list[str], *extra: str) -> str:
+    args = [sys.executable, "-m", "poot_mutants.serve", *(a for n in names for a in ("--mutation", n)),
+            "--model", model, "--port", "{port}", "--fault-injection", *extra]
+    return " ".join(a if a == "{port}" else shlex.quote(a) for a in args)
 
 
-def command(model: str, mutation: str, *extra: str) -> str:
-    return (f"{shlex.quote(poot_serve())} --model {model} --port {{port}} --fault-injection "
-            f"--mutation {mutation}" + "".join(f" {shlex.quote(a)}" for a in extra))
-
-
-@pytest.mark.parametrize("mutation", MUTATIONS, ids=[m.name for m in MUTATIONS])
-def test_mutation_fails_its_clause_and_only_that(mutation: Mutation, tmp_path):
-    if mutation.name not in implemented():
-        pytest.skip(f"the reference server does not implement --mutation {mutation.name} yet")
+def run_suite(mutant: Mutant, tmp_path: Path, names: list[str] | None = None) -> tuple[dict, int, str]:
+    """Runs the suite against the variant; returns (clauses by id, exit status, output tail)."""
+    names = names if names is not None else [mutant.name]
     out = tmp_path / "report.json"
     args = [sys.executable, "-m", "poot.conformance.cli", "--strict", "--json", str(out), "--examples", "10",
-            "--server-cmd", command(BUNDLED_MODEL, mutation.name), *mutation.prefixes]
-    if mutation.recurrent:
-        args += ["--recurrent-server-cmd", command(BUNDLED_RECURRENT_MODEL, mutation.name)]
-    if mutation.speculative:
-        args += ["--speculative-server-cmd", command(BUNDLED_MODEL, mutation.name, "--draft", "ngram")]
-    r = subprocess.run(args, capture_output=True, text=True, timeout=600)
-    assert out.exists(), f"no report (exit {r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-2000:]}"
-    clauses = {c["id"]: c for c in json.loads(out.read_text())["clauses"]}
-    target = clauses[mutation.breaks]
+            "--server-cmd", command(BUNDLED_MODEL, names), *mutant.prefixes]
+    if mutant.recurrent:
+        args += ["--recurrent-server-cmd", command(BUNDLED_RECURRENT_MODEL, names)]
+    if mutant.speculative:
+        args += ["--speculative-server-cmd", command(BUNDLED_MODEL, names, "--draft", "ngram")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(TESTS), os.environ.get("PYTHONPATH"))))}
+    r = subprocess.run(args, capture_output=True, text=True, timeout=600, env=env)
+    tail = f"{r.stdout[-3000:]}\n{r.stderr[-2000:]}"
+    assert out.exists(), f"no report (exit {r.returncode}):\n{tail}"
+    return {c["id"]: c for c in json.loads(out.read_text())["clauses"]}, r.returncode, tail
+
+
+def check(mutant: Mutant, clauses: dict, returncode: int) -> None:
+    """The proof for one variant; raises AssertionError saying what is missing."""
+    control = clauses.get(mutant.control)
+    assert control is not None and control["outcome"] == "passed", \
+        (f"{mutant.name}: the control clause {mutant.control} did not pass "
+         f"({control and control['outcome']}: {control and control['why'][:300]}), so the variant proves nothing")
+    target = clauses.get(mutant.breaks)
+    assert target is not None, f"{mutant.name}: {mutant.breaks} did not run"
     assert target["outcome"] == "failed", \
-        f"{mutation.name} should break {mutation.breaks}, which came out {target['outcome']}: {target['why']}"
-    others = {cid: c for cid, c in clauses.items() if cid != mutation.breaks and cid not in mutation.also}
-    bad = {cid: f"{c['outcome']}: {c['why'][:200]}" for cid, c in others.items()
-           if c["outcome"] == "failed"}
-    assert not bad, f"{mutation.name} also failed clauses outside its list: {bad}"
-    assert r.returncode == 1, f"exit status {r.returncode} with a failed clause"
+        f"{mutant.name} should break {mutant.breaks}, which came out {target['outcome']}: {target['why']}"
+    assert mutant.reason in target["why"], \
+        f"{mutant.name} broke {mutant.breaks}, but not with the expected reason {mutant.reason!r}: {target['why']}"
+    bad = {cid: f"{c['outcome']}: {c['why'][:200]}" for cid, c in clauses.items()
+           if cid != mutant.breaks and cid not in mutant.also and c["outcome"] == "failed"}
+    assert not bad, f"{mutant.name} also failed clauses outside its list: {bad}"
+    assert returncode == 1, f"exit status {returncode} with a failed clause"
+
+
+@pytest.mark.parametrize("mutant", MUTANTS, ids=[m.name for m in MUTANTS])
+def test_mutation_fails_its_clause_and_only_that(mutant: Mutant, tmp_path):
+    clauses, code, tail = run_suite(mutant, tmp_path)
+    check(mutant, clauses, code)
+
+
+def test_a_variant_that_crashes_at_start_fails_the_proof(tmp_path):
+    """A server that never starts "fails" every clause, its target included: the control
+    clause is what turns that into a failed proof rather than a proved clause."""
+    clauses, code, _ = run_suite(CRASH_AT_START, tmp_path)
+    assert clauses[CRASH_AT_START.breaks]["outcome"] == "failed"  # what the old proof took as proof
+    with pytest.raises(AssertionError, match="control clause"):
+        check(CRASH_AT_START, clauses, code)

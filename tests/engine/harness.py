@@ -44,8 +44,8 @@ def cached_model(seed: int):
 
 def make_engine(seed: int = 0, memory_bytes: int = 1 << 30, **kw) -> Engine:
     model = cached_model(seed)
-    driver = NumpyDriver(memory_bytes=memory_bytes, mutations=kw.pop("driver_mutations", frozenset()))
-    return Engine.create(model, driver=driver, **kw)
+    driver = kw.pop("driver_class", NumpyDriver)(memory_bytes=memory_bytes)
+    return kw.pop("engine_class", Engine).create(model, driver=driver, **kw)
 
 
 def greedy(max_tokens: int = 8, **kw) -> SamplingParams:

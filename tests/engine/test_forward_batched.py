@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+from poot_mutants.engine_parts import NoLengthMask, SharedPosition
 
 from poot.engine.drivers.base import RowWork
 from poot.engine.drivers.numpy_driver import NumpyDriver
@@ -11,9 +12,9 @@ from poot.engine.plan import fit_plan
 BS = 16
 
 
-def make_driver(mutations=frozenset()):
+def make_driver(cls=NumpyDriver):
     model = synthetic_llama(3)
-    driver = NumpyDriver(memory_bytes=1 << 30, mutations=frozenset(mutations))
+    driver = cls(memory_bytes=1 << 30)
     plan = fit_plan(driver.device(), model.config, 0, model.name)
     driver.prepare(plan, model)
     return driver, plan
@@ -71,11 +72,11 @@ def test_chunked_prefill_equals_one_shot_prefill():
         np.testing.assert_allclose(run_alone(driver, p, t, chunk), one_shot, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("mutation", ["shared_position", "no_length_mask"])
-def test_breaking_positions_or_masks_breaks_batched_equals_alone(mutation):
+@pytest.mark.parametrize("mutant", [SharedPosition, NoLengthMask], ids=["shared_position", "no_length_mask"])
+def test_breaking_positions_or_masks_breaks_batched_equals_alone(mutant):
     """The check above is only worth something if a wrong position or a missing mask fails it."""
     good, plan = make_driver()
-    bad, _ = make_driver({mutation})
+    bad, _ = make_driver(mutant)
     ps = prompts(2, 6)
     tabs = tables(plan, ps)
     alone = np.stack([run_alone(good, p, t, 1000) for p, t in zip(ps, tabs, strict=True)])

@@ -2,6 +2,7 @@
 constant compiles, cancellation within one iteration, stop rules, bad input."""
 
 import pytest
+from poot_mutants.engine_parts import DieFreesBlocks, RecompileOnBatchChange, YoungestFirst
 
 from poot.engine import InvalidRequest, SamplingParams
 from poot.engine.events import Finished, Rejected, Tokens
@@ -34,7 +35,7 @@ def test_admission_is_oldest_first_and_the_oldest_that_does_not_fit_blocks_young
     assert old.finished.reason == young.finished.reason == "length"
 
 
-def first_token_iterations(engine, mutations=frozenset(), waiting=6):
+def first_token_iterations(engine, waiting=6):
     """Fills every row with requests that retire one per iteration, queues `waiting` more,
     and returns the iteration at which each queued request (oldest first) got its first token."""
     for i in range(engine.plan.rows):
@@ -59,7 +60,7 @@ def test_older_requests_are_opened_before_younger_ones_when_rows_free_up():
 
 
 def test_youngest_first_mutation_breaks_the_admission_order_check():
-    seen = first_token_iterations(make_engine(mutations=frozenset({"youngest_first"})))
+    seen = first_token_iterations(make_engine(scheduler=YoungestFirst))
     assert seen != sorted(seen)
 
 
@@ -108,7 +109,7 @@ def test_compile_count_is_constant_from_prepare_whatever_comes_after(packed, mon
 
 
 def test_recompile_mutation_is_caught_by_the_compile_count_check():
-    engine = make_engine(driver_mutations=frozenset({"recompile_on_batch_change"}))
+    engine = make_engine(driver_class=RecompileOnBatchChange)
     submit(engine, "warm", greedy(2))
     run_until_idle(engine)
     compiles = engine.metrics()["engine_compiles"]
@@ -271,3 +272,32 @@ def test_a_prompt_the_tokenizer_chokes_on_is_rejected_and_the_loop_goes_on(monke
     assert isinstance(bad.finished, Rejected) and bad.finished.param == "prompt"
     assert good.finished.reason == "length"
     assert engine.health().status == "ok"
+
+
+def run_into_a_fault(engine) -> tuple[int, int]:
+    """Three requests decoding, then a step that faults; returns (free blocks, running) just
+    before the fault. The loop runs on this thread until the fault kills the engine."""
+    for i in range(3):
+        submit(engine, "r" * (5 + i), greedy(40, ignore_eos=True))
+    for _ in range(3):
+        engine.iteration()
+    before = engine.pool.num_free, len(engine.scheduler.running)
+    engine.inject_fault("fault")
+    engine._run()  # returns once the fault has killed the engine
+    assert engine.health().status == "dead" and engine.health().cause == "fault"
+    return before
+
+
+def test_a_half_applied_step_releases_nothing():
+    engine = make_engine()
+    free, running = run_into_a_fault(engine)
+    assert running == 3
+    assert engine.pool.num_free == free and len(engine.scheduler.running) == running
+    m = engine.metrics()
+    assert m["engine_requests_running"] == 3 and m["kv_blocks_reserved"] > 0
+
+
+def test_a_die_that_frees_every_block_is_caught():
+    engine = make_engine(engine_class=DieFreesBlocks)
+    free, running = run_into_a_fault(engine)
+    assert engine.pool.num_free > free and not engine.scheduler.running

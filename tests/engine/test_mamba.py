@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from poot_mutants.engine_parts import RegisterRecurrentPrefix, StaleRecurrentState
 
 from poot.engine import Engine, SamplingParams
 from poot.engine.drivers.base import RowWork
@@ -49,9 +50,9 @@ def reference_logits(model, tokens: list[int]) -> np.ndarray:
     return np.array(out)
 
 
-def make_driver(model=None, mutations=frozenset()):
+def make_driver(model=None, cls=NumpyDriver):
     model = model or synthetic_mamba(1)
-    driver = NumpyDriver(memory_bytes=1 << 30, mutations=frozenset(mutations))
+    driver = cls(memory_bytes=1 << 30)
     plan = fit_plan(driver.device(), model.config, 0, model.name)
     driver.prepare(plan, model)
     return driver, plan
@@ -102,18 +103,18 @@ def test_each_row_in_a_mixed_batch_matches_its_logits_alone():
     np.testing.assert_allclose(driver.step(batch).logits, np.stack(alone), atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("mutation", [None, "stale_recurrent_state"])
-def test_a_row_opened_by_a_new_sequence_starts_from_zero_state(mutation):
+@pytest.mark.parametrize("cls", [NumpyDriver, StaleRecurrentState], ids=["reference", "stale_recurrent_state"])
+def test_a_row_opened_by_a_new_sequence_starts_from_zero_state(cls):
     fresh, _ = make_driver()
-    reused, _ = make_driver(mutations={mutation} if mutation else set())
+    reused, _ = make_driver(cls=cls)
     first, second = prompts(3, 2, 20, 21)
     prefill(reused, 4, first)  # the row's previous owner leaves its state behind
     same = np.allclose(prefill(reused, 4, second), prefill(fresh, 4, second), atol=1e-5, rtol=0)
-    assert same == (mutation is None)
+    assert same == (cls is NumpyDriver)
 
 
-def engine(mutations=frozenset()):
-    return Engine.create(synthetic_mamba(0), driver=NumpyDriver(memory_bytes=1 << 30), mutations=mutations)
+def engine(**parts):
+    return Engine.create(synthetic_mamba(0), driver=NumpyDriver(memory_bytes=1 << 30), **parts)
 
 
 def test_batched_requests_through_the_engine_equal_each_alone():
@@ -144,7 +145,7 @@ def test_the_recurrent_family_registers_nothing_and_counts_skipped_releases():
 
 
 def test_register_recurrent_prefix_mutation_registers_anyway_and_skips_nothing():
-    e = engine(frozenset({"register_recurrent_prefix"}))
+    e = engine(prefix_cache=RegisterRecurrentPrefix)
     submit(e, "x" * 40, greedy(3))
     run_until_idle(e)
     m = e.metrics()

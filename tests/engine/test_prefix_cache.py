@@ -5,6 +5,7 @@ and output identical with and without a hit."""
 from __future__ import annotations
 
 import pytest
+from poot_mutants.engine_parts import LeakBlockOnCancel, NoCancelPrefix, NoPrefixRegistration, NoPrefixReuse
 
 from poot.engine import Engine, SamplingParams
 from poot.engine.drivers.numpy_driver import NumpyDriver
@@ -18,14 +19,14 @@ BS = 16
 
 
 def planned_engine(num_blocks: int = 8, rows: int = 4, token_budget: int = 64, block_size: int = BS,
-                   positions: int = 128, mutations: frozenset[str] = frozenset(), seed: int = 0) -> Engine:
+                   positions: int = 128, seed: int = 0, **parts) -> Engine:
     """An engine on an explicit plan: a small pool and budget put eviction and chunked
     prefill within reach of short prompts."""
     model = synthetic_llama(seed)
     plan = Plan("numpy", rows, positions, block_size, num_blocks, token_budget, model.name)
-    driver = NumpyDriver(mutations=mutations)
+    driver = NumpyDriver()
     driver.prepare(plan, model)
-    return Engine(model, driver, plan, None, mutations)
+    return Engine(model, driver, plan, None, **parts)
 
 
 def tokens(n: int, salt: int = 0) -> list[int]:
@@ -214,11 +215,11 @@ def test_a_hit_on_a_cached_block_is_not_counted_as_room_twice():
     assert_pool_whole(engine)
 
 
-# ---- mutations: the checks above can fail ---------------------------------------------------
+# ---- deliberate defects: the checks above can fail ---------------------------------------------------
 
 
 def test_leak_block_on_cancel_breaks_the_whole_pool_when_idle():
-    engine = planned_engine(mutations=frozenset({"leak_block_on_cancel"}))
+    engine = planned_engine(prefix_cache=LeakBlockOnCancel)
     _, handle = submit(engine, tokens(40), greedy(8))
     engine.iteration()
     handle.cancel()
@@ -228,7 +229,7 @@ def test_leak_block_on_cancel_breaks_the_whole_pool_when_idle():
 
 
 def test_no_prefix_reuse_never_hits():
-    engine = make_engine(mutations=frozenset({"no_prefix_reuse"}))
+    engine = make_engine(prefix_cache=NoPrefixReuse)
     run(engine, tokens(3 * BS + 1))
     rec = run(engine, tokens(3 * BS + 1))
     assert rec.finished.cached_tokens == 0
@@ -236,7 +237,7 @@ def test_no_prefix_reuse_never_hits():
 
 
 def test_no_prefix_registration_registers_nothing():
-    engine = make_engine(mutations=frozenset({"no_prefix_registration"}))
+    engine = make_engine(prefix_cache=NoPrefixRegistration)
     run(engine, tokens(3 * BS + 1))
     assert engine.metrics()["prefix_registered_tokens"] == 0
     assert run(engine, tokens(3 * BS + 1)).finished.cached_tokens == 0
@@ -244,7 +245,7 @@ def test_no_prefix_registration_registers_nothing():
 
 def test_no_cancel_prefix_registers_nothing_for_a_cancelled_request_only():
     engine = planned_engine(num_blocks=16, token_budget=40, positions=256,
-                            mutations=frozenset({"no_cancel_prefix"}))
+                            prefix_cache=NoCancelPrefix)
     _, handle = submit(engine, tokens(6 * BS), greedy(4))
     engine.iteration()
     handle.cancel()

@@ -8,6 +8,7 @@ import dataclasses
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from poot_mutants.engine_parts import LaxStepCheck, NoPrefillBudget
 
 from poot.engine import Engine
 from poot.engine.drivers.numpy_driver import NumpyDriver
@@ -17,13 +18,14 @@ from poot.engine.plan import DeviceInfo, Plan, fit_plan, idle_prefill_chunk, pre
 from .harness import greedy, run_until_idle, submit
 
 
-def budget_engine(token_budget: int, idle_token_budget: int, rows: int = 4, positions: int = 256) -> Engine:
+def budget_engine(token_budget: int, idle_token_budget: int, rows: int = 4, positions: int = 256,
+                  driver_class=NumpyDriver, **parts) -> Engine:
     model = synthetic_llama(0)
     plan = Plan("numpy", rows, positions, 16, rows * positions // 16, token_budget, model.name,
                 idle_token_budget=idle_token_budget)
-    driver = NumpyDriver()
+    driver = driver_class()
     driver.prepare(plan, model)
-    return Engine(model, driver, plan, None, frozenset())
+    return Engine(model, driver, plan, None, **parts)
 
 
 def record_steps(engine: Engine) -> list[list[tuple[bool, int]]]:
@@ -127,9 +129,8 @@ def test_the_step_tokens_histogram_splits_steps_by_whether_a_row_was_decoding():
 
 
 def test_no_prefill_budget_shows_in_the_histogram():
-    engine = budget_engine(token_budget=16, idle_token_budget=48)
-    engine.mutations = engine.scheduler.mutations = frozenset({"no_prefill_budget"})
-    engine.driver.mutations = engine.mutations
+    engine = budget_engine(token_budget=16, idle_token_budget=48, driver_class=LaxStepCheck,
+                           scheduler=NoPrefillBudget)
     rec, _ = submit(engine, prompt(5), greedy(30, ignore_eos=True))
     while not rec.token_ids:
         engine.iteration()

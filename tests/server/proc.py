@@ -15,6 +15,8 @@ from pathlib import Path
 import httpx
 
 EXE = str(Path(sys.executable).parent / "poot-serve")
+TESTS = str(Path(__file__).resolve().parents[1])
+MUTANTS = (sys.executable, "-m", "poot_mutants.serve")  # the deliberately broken servers (tests only)
 
 
 def free_port() -> int:
@@ -24,13 +26,14 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, *extra: str, model: str = "synthetic", wait: bool = True, env: dict | None = None):
+    def __init__(self, *extra: str, model: str = "synthetic", wait: bool = True, env: dict | None = None,
+                 exe: tuple[str, ...] = (EXE,)):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.TemporaryFile()  # noqa: SIM115
-        self.cmd = [EXE, "--model", model, "--port", str(self.port), "--log-level", "warning", *extra]
+        self.cmd = [*exe, "--model", model, "--port", str(self.port), "--log-level", "warning", *extra]
         self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})})
+                                     env={**os.environ, "PYTHONPATH": TESTS, **(env or {})})
         self.client = httpx.Client(base_url=self.url, timeout=30)
         if wait:
             self.wait_ready()

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
+import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -12,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from .proc import Server, run_cli
+from .proc import MUTANTS, TESTS, Server, run_cli
 
 STEP_DELAY = "0.02"  # hidden test option: slow steps so that cancellation and draining are observable
 
@@ -322,7 +324,7 @@ def test_sigterm_drains_in_flight_requests_then_exits_0():
     (["--rows", "4"], "--rows"),
     (["--max-num-seqs", "8"], "--max-num-seqs"),
     (["--ctx-size", "512"], "--ctx-size"),
-    (["--mutation", "no_such_defect"], "no_such_defect"),
+    (["--mutation", "youngest_first"], "--mutation"),
     (["--model", "synthetic:abc"], "synthetic:abc"),
     (["--model", "/no/such/model.gguf"], "/no/such/model.gguf"),
     (["--step-delay", "nan"], "--step-delay"),
@@ -347,7 +349,8 @@ def test_test_only_options_are_hidden_and_leave_the_plan_alone(srv, slow):
 def test_loading_state_is_reported():
     from starlette.testclient import TestClient
 
-    from poot.server.app import ServerState, build_app
+    from poot.server.app import build_app
+    from poot.server.state import ServerState
 
     client = TestClient(build_app(ServerState(model_spec="synthetic")))  # no lifespan: nothing loads
     h = client.get("/health")
@@ -355,18 +358,25 @@ def test_loading_state_is_reported():
     check_error(client.post("/v1/completions", json={"prompt": "x"}), 503)
 
 
-# ---- mutations: the defects a conformance run must catch ------------------------------------
+# ---- deliberate defects (tests/poot_mutants): what a conformance run must catch --------------
+
+def test_an_unknown_defect_fails_startup():
+    r = subprocess.run([*MUTANTS, "--mutation", "no_such_defect", "--port", "1"], capture_output=True, text=True,
+                       timeout=60, env={**os.environ, "PYTHONPATH": TESTS})
+    assert r.returncode == 2 and "no_such_defect" in r.stderr
+
 
 def test_mutations_break_what_they_claim():
     s = Server("--step-delay", "0.005", "--mutation", "stream_stop_prefix",
-               "--mutation", "ignore_disconnect_nonstream", "--mutation", "healthy_while_draining")
+               "--mutation", "ignore_disconnect_nonstream", "--mutation", "healthy_while_draining", exe=MUTANTS)
     try:
         base = {"prompt": "Tell me a story", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
         full = s.complete(**base)["choices"][0]["text"]
         stop = full[20:24]
         events, _ = s.stream("/v1/completions", {**base, "stop": [stop]})
         streamed, _ = text_of(events)
-        assert streamed != full[: full.find(stop)] and stop in streamed  # the stop string leaked
+        kept = full[: full.find(stop)]
+        assert streamed.startswith(kept) and streamed != kept  # the stop string's start leaked
 
         cancelled = 'requests_finished_total{reason="cancelled"}'
         before = s.metrics()
@@ -383,7 +393,7 @@ def test_mutations_break_what_they_claim():
 def test_more_mutations_break_what_they_claim():
     s = Server("--fault-injection", "--rows", "7", *[a for m in ("accept_unknown_options", "rows_from_env",
                "no_done_sentinel", "bad_params_500", "no_metrics_steps", "healthy_when_dead")
-               for a in ("--mutation", m)], env={"POOT_ROWS": "3"})
+               for a in ("--mutation", m)], env={"POOT_ROWS": "3"}, exe=MUTANTS)
     try:
         assert s.client.get("/health").json()["plan"]["rows"] == 3
         check_error(s.post("/v1/completions", {"prompt": "x", "temperature": -1}), 500)
