@@ -7,6 +7,7 @@ import time
 import pytest
 
 from poot.conformance.client import Client, RawRequest
+from poot.conformance.outcomes import NotSupported
 from poot.conformance.scenarios import Probes, RawStream, fill_rows, rows_and_positions, unique_text
 
 clause = pytest.mark.clause
@@ -140,13 +141,15 @@ def whole_pool_still_fits(client: Client, probes: Probes, when: str) -> None:
     rows, bs = plan["rows"], plan["block_size"]
     per = plan["positions"] // bs  # the most whole blocks one request can reserve
     if not total or rows * per < total:
-        return  # the rows cannot hold the whole pool: a lost block cannot be seen this way
+        raise NotSupported(f"{when} the other checks held, but {rows} rows of at most {per} blocks cannot hold the "
+                           f"whole pool of {total:.0f} blocks, so a block kept by no request cannot be seen")
     count = -(-int(total) // per)
     sizes = [per] * (count - 1) + [int(total) - per * (count - 1)]
     prompt = unique_text(8)
     prompt_tokens = client.complete(prompt, max_tokens=1)["usage"]["prompt_tokens"]
     if min(sizes) * bs <= prompt_tokens + 1:
-        return
+        raise NotSupported(f"{when} the other checks held, but the pool cannot be split into requests of at least "
+                           f"{prompt_tokens + 2} tokens, so a block kept by no request cannot be seen")
     streams = [RawStream.open(client, prompt + f" {i}" if i else prompt, **probes.long_params(n * bs - prompt_tokens - 4))
                for i, n in enumerate(sizes)]
     # Each reserves n blocks: its prompt (a few tokens more with the suffix) plus max_tokens fit n * bs.
