@@ -7,20 +7,24 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from poot.conformance.client import Client
-from poot.conformance.scenarios import unique_text
+from poot.conformance.scenarios import Probes, unique_text
 
 clause = pytest.mark.clause
 
 
 @clause("determinism/batch/1")
-def test_greedy_output_does_not_depend_on_load(client: Client):
-    prompts = [unique_text(n) for n in (12, 30, 70)]
-    alone = [client.complete(p, max_tokens=32, temperature=0)["choices"][0]["text"] for p in prompts]
-    noise = [unique_text(n) for n in (5, 25, 60, 120, 200, 15, 45, 90)]
+def test_greedy_output_does_not_depend_on_load(client: Client, probes: Probes):
+    """Long greedy outputs, alone and then among enough other requests to fill the plan's
+    rows: kernels whose numerics change with the batch (another reduction order or precision
+    per batch size) show up only over many tokens and large batches."""
+    rows = (client.plan() or {}).get("rows") or 16
+    prompts = [unique_text(n) for n in (12, 30, 70, 110, 150, 20)]
+    alone = [client.complete(p, **probes.long_params(96))["choices"][0]["text"] for p in prompts]
+    noise = [unique_text(5 + 37 * i % 200) for i in range(max(8, rows - len(prompts)))]
     with ThreadPoolExecutor(len(prompts) + len(noise)) as pool:
-        loud = [pool.submit(client.complete, p, max_tokens=32, temperature=0) for p in prompts]
-        for p in noise:
-            pool.submit(client.complete, p, max_tokens=40, temperature=0)
+        for i, p in enumerate(noise):  # first, and longer, so they run through the whole batch
+            pool.submit(client.complete, p, **probes.long_params(120 + i % 7))
+        loud = [pool.submit(client.complete, p, **probes.long_params(96)) for p in prompts]
         together = [f.result()["choices"][0]["text"] for f in loud]
     for p, a, b in zip(prompts, alone, together, strict=True):
         assert a == b, f"prompt {p[:20]!r}...: alone {a!r}, under load {b!r}"
