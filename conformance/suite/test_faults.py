@@ -183,7 +183,6 @@ def test_half_applied_step_releases_nothing(spawn, deaths):
     if death.held_before is None or death.held_after is None:
         raise NotSupported("what the engine holds is read from /metrics (kv_blocks_reserved, "
                            "engine_requests_running), which this server does not serve")
-    assert death.health.get("status") == "dead", f"/health status {death.health.get('status')!r}, expected 'dead'"
     before, after = death.held_before, death.held_after
     assert before["kv_blocks_reserved"] > 0 and before["engine_requests_running"] == death.streams, \
         f"before the fault the engine reported {before} for {death.streams} running requests"
