@@ -225,7 +225,7 @@ MUTANTS: tuple[Mutant, ...] = (
       "each step decodes one row only: rows take turns instead of sharing steps", "batched they need about",
       {"scheduler": e.OneRowPerStep}, scope=("loop/batching",)),
     M("refuse_when_full", "loop/admission/2",
-      "a request that finds every row taken is refused instead of queued", "never showed as waiting",
+      "a request that finds every row taken is refused instead of queued", "waiting",
       {"engine": e.RefuseWhenFull}, scope=("loop/admission/2", "loop/preempt")),
     M("preempt_youngest", "loop/preempt/1",
       "a request kept waiting takes the row of the youngest running request, which fails", "a running request lost its row",
