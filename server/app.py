@@ -247,6 +247,10 @@ def build_app(state: ServerState) -> Starlette:
             if "bad_params_500" in muts and e.status == 400 and e.param in SAMPLING_FIELDS:
                 raise ApiError(500, e.message, e.param) from None
             raise
+        if not parsed.choices.plain:  # n, best_of, echo or logprobs: one sequence per choice
+            from . import choices
+
+            return await choices.serve(state, request, parsed, engine)
 
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
