@@ -6,6 +6,7 @@ server that refuses logprobs and echo with a 400 is not supported for them, neve
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import subprocess
 import sys
@@ -14,9 +15,9 @@ from pathlib import Path
 import pytest
 from api_defects import DEFECTS, Defect
 
-pytestmark = pytest.mark.slow
-
 HERE = Path(__file__).resolve().parent
+README = HERE.parents[1] / "conformance" / "README.md"
+
 CLAUSES = ("api/logprobs", "api/echo", "api/n", "api/penalties", "api/completions/1")
 
 
@@ -29,6 +30,13 @@ def run_suite(defect: str, tmp_path: Path) -> dict[str, dict]:
     return {c["id"]: c for c in json.loads(out.read_text())["clauses"]}
 
 
+def test_readme_defect_table_matches_the_list():
+    table = README.read_text().split("### The sampling clauses' defects", 1)[1]
+    rows = re.findall(r"^\| ([a-z0-9_]+) \| ([a-z0-9/-]+) \|", table, re.M)
+    assert rows[1:] == [(d.name, d.breaks) for d in DEFECTS]  # after the header row
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("defect", DEFECTS, ids=[d.name for d in DEFECTS])
 def test_defect_fails_its_clause_and_only_that(defect: Defect, tmp_path):
     clauses = run_suite(defect.name, tmp_path)
@@ -40,11 +48,13 @@ def test_defect_fails_its_clause_and_only_that(defect: Defect, tmp_path):
     assert not bad, f"{defect.name} also failed clauses outside its list: {bad}"
 
 
+@pytest.mark.slow
 def test_the_unwrapped_server_passes_every_clause(tmp_path):
     clauses = run_suite("none", tmp_path)
     assert {cid: c["outcome"] for cid, c in clauses.items() if c["outcome"] != "passed"} == {}
 
 
+@pytest.mark.slow
 def test_a_server_refusing_logprobs_is_not_supported_for_them(tmp_path):
     clauses = run_suite("refuses_logprobs", tmp_path)
     refused = [cid for cid in clauses if cid.startswith(("api/logprobs", "api/echo"))]

@@ -293,6 +293,38 @@ def test_disconnect_frees_the_row_within_one_step(slow, stream):
     assert after["kv_blocks_reserved"] == 0
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["nonstream", "stream"])
+def test_disconnect_cancels_every_choice(slow, stream):
+    cancelled = 'requests_finished_total{reason="cancelled"}'
+    before = slow.wait_metric("engine_requests_running", lambda v: v == 0)
+    body = json.dumps({"prompt": "Hello", "max_tokens": 400, "ignore_eos": True, "stream": stream, "n": 3,
+                       "logprobs": 1}).encode()
+    sock = socket.create_connection(("127.0.0.1", slow.port))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    slow.wait_metric("generation_tokens_total", lambda v: v >= before["generation_tokens_total"] + 9)
+    sock.close()
+    after = slow.wait_metric("engine_requests_running", lambda v: v == 0, timeout=5)
+    assert after[cancelled] == before[cancelled] + 3
+    assert after["kv_blocks_reserved"] == 0
+
+
+def test_best_of_answers_the_n_best_and_counts_every_sequence(srv):
+    r = srv.post("/v1/completions", {"prompt": "Once", "max_tokens": 5, "ignore_eos": True, "temperature": 1.0,
+                                     "seed": 3, "best_of": 3, "n": 2})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    assert all(c["logprobs"] is None for c in body["choices"])  # ranked by logprobs nobody asked to see
+    assert body["usage"]["completion_tokens"] == 15
+    scored = srv.post("/v1/completions", {"prompt": "Once", "max_tokens": 5, "ignore_eos": True, "temperature": 1.0,
+                                          "seed": 3, "best_of": 3, "logprobs": 0}).json()
+    everyone = srv.post("/v1/completions", {"prompt": "Once", "max_tokens": 5, "ignore_eos": True, "temperature": 1.0,
+                                            "seed": 3, "n": 3, "logprobs": 0}).json()
+    sums = sorted((sum(c["logprobs"]["token_logprobs"]) for c in everyone["choices"]), reverse=True)
+    assert sum(scored["choices"][0]["logprobs"]["token_logprobs"]) == pytest.approx(sums[0])
+
+
 def test_fault_route_absent_without_the_flag(slow):
     assert slow.post("/debug/fault", {"kind": "panic"}).status_code == 404
     assert slow.client.get("/health").json()["status"] == "ok"
