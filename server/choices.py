@@ -43,7 +43,7 @@ class Answer:
     def __init__(self, parsed: Parsed, model, rid: str, name: str):
         self.p, self.rid, self.name = parsed, rid, name
         self.created = int(time.time())
-        self.texts = TokenTexts(model.tokenizer.decode)
+        self.texts = TokenTexts(model.tokenizer)
         prompt = parsed.prompt
         self.prompt_text = prompt if isinstance(prompt, str) else model.tokenizer.decode(prompt)
         self.outputs = [ChoiceOutput(i, CompletionLogprobs(self.texts)) for i in range(parsed.choices.count)]
