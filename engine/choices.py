@@ -20,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .blocks import BlockPool
+from .params import InvalidRequest, SamplingParams
+from .plan import Plan
 from .sequence import Sequence, Status
 
 
@@ -39,6 +41,21 @@ def num_shared_blocks(prompt_len: int, block_size: int, *, scores_prompt: bool, 
 def num_group_blocks(need: int, n: int, shared: int) -> int:
     """Blocks a whole group reserves: one member's, then each other's beyond the shared ones."""
     return need + (n - 1) * (need - shared)
+
+
+def check_fit(plan: Plan, prompt_len: int, params: SamplingParams, n: int) -> None:
+    """Refuses, naming n, a group that could never be admitted: more choices than rows, or
+    more blocks than the pool holds."""
+    if n > plan.rows:
+        raise InvalidRequest(f"n ({n}) is more than the {plan.rows} sequences this server runs at once", "n")
+    if plan.num_blocks:
+        need = plan.blocks_for(prompt_len + params.max_tokens)
+        shared = num_shared_blocks(prompt_len, plan.block_size, recurrent=False,
+                                   scores_prompt=params.prompt_logprobs is not None)
+        total = num_group_blocks(need, n, shared)
+        if total > plan.num_blocks:
+            raise InvalidRequest(f"{n} choices of this prompt and max_tokens need {total} KV blocks; "
+                                 f"this server has {plan.num_blocks}", "n")
 
 
 def to_open(seq: Sequence) -> list[Sequence]:

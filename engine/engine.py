@@ -287,24 +287,12 @@ class Engine:
             raise InvalidRequest("the prompt is empty", "prompt")
         logits_processors.check_vocab(params, self.model.tokenizer.vocab_size)
         if n > 1:
-            self._check_choices_fit(prompt, params, n)
+            choices.check_fit(self.plan, len(prompt), params, n)
         need = len(prompt) + params.max_tokens
         if need > self.plan.positions:
             raise InvalidRequest(
                 f"the prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) needs {need} "
                 f"positions; this server holds at most {self.plan.positions} per sequence", "max_tokens")
-
-    def _check_choices_fit(self, prompt: list[int], params: SamplingParams, n: int) -> None:
-        if n > self.plan.rows:
-            raise InvalidRequest(f"n ({n}) is more than the {self.plan.rows} sequences this server runs at once", "n")
-        if self.plan.num_blocks:
-            need = self.plan.blocks_for(len(prompt) + params.max_tokens)
-            shared = choices.num_shared_blocks(len(prompt), self.plan.block_size, recurrent=False,
-                                               scores_prompt=params.prompt_logprobs is not None)
-            total = choices.num_group_blocks(need, n, shared)
-            if total > self.plan.num_blocks:
-                raise InvalidRequest(f"{n} choices of this prompt and max_tokens need {total} KV blocks; "
-                                     f"this server has {self.plan.num_blocks}", "n")
 
     # phase 2
     def _release_cancelled(self) -> None:
