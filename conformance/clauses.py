@@ -14,7 +14,7 @@ SOURCES_DIR = SPEC_DIR / "sources"
 SUITE_DIR = Path(__file__).parent / "suite"
 
 LEVELS = ("MUST", "SHOULD")
-PROFILES = ("core", "metrics", "faults", "startup", "prefix", "determinism", "speculative")
+PROFILES = ("core", "metrics", "faults", "startup", "prefix", "determinism", "speculative", "sampling")
 NEEDS = ("metrics", "plan", "fault-injection", "server-command", "recurrent-model", "speculative-server")
 ID_PATTERN = re.compile(r"^[a-z]+(/[a-z0-9-]+)*/[0-9]+$")
 

@@ -59,6 +59,12 @@ class BlockPool:
             del self.cached_ids[i]
         self.ref_counts[i] += 1
 
+    def share(self, i: int) -> None:
+        """One more holder of a held block (the choices of one request share their prompt)."""
+        if self.ref_counts[i] <= 0:
+            raise RuntimeError(f"block {i} shared while not held")
+        self.ref_counts[i] += 1
+
     def register(self, i: int) -> None:
         if self.ref_counts[i] <= 0:
             raise RuntimeError(f"block {i} registered while not held")

@@ -20,11 +20,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import sampler
+from . import choices, logits_processors, logprobs
 from .blocks import BlockPool
 from .drivers.base import DeviceFault, Driver, StepRefused
-from .events import Accepted, Event, Finished, Rejected, RequestHandle, Tokens
+from .events import Accepted, Event, Finished, PromptLogprobs, Rejected, RequestHandle, Tokens
 from .params import InvalidRequest, SamplingParams
+from .picker import Picker
 from .plan import Plan, fit_plan
 from .prefix_cache import PrefixCache
 from .scheduler import Scheduled, Scheduler
@@ -54,13 +55,14 @@ class _Job:
     handle: RequestHandle
     prompt: str | list[int]
     params: SamplingParams
+    more: tuple[RequestHandle, ...] = ()  # the handles of choices 1.. of a request with n > 1
 
 
 class Engine:
     def __init__(self, model, driver: Driver, plan: Plan, draft_policy=None, *,
                  scheduler: type[Scheduler] = Scheduler, prefix_cache: type[PrefixCache] = PrefixCache,
                  stop_checker: type[StopChecker] = StopChecker,
-                 random_stream: Callable[[int | None], np.random.Generator] = np.random.default_rng):
+                 random_stream: Callable[[int | list[int] | None], np.random.Generator] = np.random.default_rng):
         """`driver` must be prepared for `plan`; `Engine.create` does both. The scheduler, the
         prefix cache, the stop checker and each request's random stream (from its seed) are
         the engine's parts, passed as the classes or function that build them."""
@@ -75,6 +77,7 @@ class Engine:
         self.scheduler = scheduler(plan, self.pool, self.prefix_cache)
         self.stop_checker = stop_checker
         self.random_stream = random_stream
+        self.picker = Picker(model.tokenizer.eos_token_ids)
         self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
         self._ids = itertools.count(1)
         self._in_flight: dict[int, Sequence | _Job] = {}
@@ -127,6 +130,22 @@ class Engine:
         self._jobs.put(job)
         self._wake.set()
         return handle
+
+    def submit_choices(self, prompt: str | list[int], params: SamplingParams,
+                       sinks: list[Callable[[Event], None]]) -> list[RequestHandle]:
+        """One request with len(sinks) choices: one handle and event stream per choice, all
+        admitted together, the prompt prefilled once (engine/choices.py)."""
+        params.validate()
+        handles = [RequestHandle(next(self._ids), sink) for sink in sinks]
+        job = _Job(handles[0], prompt, params, tuple(handles[1:]))
+        with self._lock:
+            if self._health.status != "ok":
+                raise EngineDead(self._health.reason or "the engine is not serving")
+            for h in handles:  # one entry per choice, so a death fails each of them
+                self._in_flight[h.request_id] = _Job(h, prompt, params)
+        self._jobs.put(job)
+        self._wake.set()
+        return handles
 
     def health(self) -> Health:
         return self._health
@@ -216,22 +235,36 @@ class Engine:
                 return
             try:
                 prompt = self._tokenize(job.prompt)
-                self._check_fits(prompt, job.params)
+                self._check_fits(prompt, job.params, 1 + len(job.more))
             except InvalidRequest as e:
-                self._reject(job, str(e), e.param)
+                for handle in (job.handle, *job.more):
+                    self._reject(_Job(handle, job.prompt, job.params), str(e), e.param)
                 continue
             except Exception as e:  # a tokenizer that chokes on one prompt must not stop the loop
                 log.exception("request %s: tokenizing failed", job.handle.request_id)
-                self._reject(job, f"the prompt could not be tokenized: {type(e).__name__}", "prompt")
+                for handle in (job.handle, *job.more):
+                    self._reject(_Job(handle, job.prompt, job.params),
+                                 f"the prompt could not be tokenized: {type(e).__name__}", "prompt")
                 continue
             decode = self.model.tokenizer.decode
-            rng = self.random_stream(job.params.seed)
-            seq = Sequence(job.handle, prompt, job.params, self.stop_checker(decode, job.params.stop), rng)
-            with self._lock:
-                self._in_flight[job.handle.request_id] = seq
-            self.counters["prompt_tokens"] += len(prompt)
-            self.scheduler.add(seq)
-            self._emit(job.handle, Accepted(len(prompt)))
+            seqs = []
+            for i, handle in enumerate((job.handle, *job.more)):
+                # Choice 0 samples as the same request with n = 1 would; choice i from (seed, i).
+                seed = job.params.seed if i == 0 or job.params.seed is None else [job.params.seed, i]
+                seqs.append(Sequence(handle, prompt, job.params, self.stop_checker(decode, job.params.stop),
+                                     self.random_stream(seed)))
+            if job.more:
+                shared = choices.num_shared_blocks(len(prompt), self.plan.block_size, recurrent=self.plan.num_blocks == 0,
+                                                   scores_prompt=job.params.prompt_logprobs is not None)
+                group = choices.ChoiceGroup(seqs, shared)
+                for seq in seqs:
+                    seq.group = group
+            for seq in seqs:
+                with self._lock:
+                    self._in_flight[seq.request_id] = seq
+                self.counters["prompt_tokens"] += len(prompt)
+                self.scheduler.add(seq)
+                self._emit(seq.handle, Accepted(len(prompt)))
 
     def _reject(self, job: _Job, message: str, param: str | None) -> None:
         self._forget(job.handle.request_id)
@@ -247,9 +280,12 @@ class Engine:
             raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab})", "prompt")
         return list(prompt)
 
-    def _check_fits(self, prompt: list[int], params: SamplingParams) -> None:
+    def _check_fits(self, prompt: list[int], params: SamplingParams, n: int = 1) -> None:
         if not prompt:
             raise InvalidRequest("the prompt is empty", "prompt")
+        logits_processors.check_vocab(params, self.model.tokenizer.vocab_size)
+        if n > 1:
+            choices.check_fit(self.plan, len(prompt), params, n)
         need = len(prompt) + params.max_tokens
         if need > self.plan.positions:
             raise InvalidRequest(
@@ -297,18 +333,38 @@ class Engine:
             seq, n = s.seq, s.work.num_logits
             rows = logits[offset : offset + n]
             offset += n
+            scoring = seq.prefilling and seq.params.prompt_logprobs is not None
             seq.num_computed += len(s.work.tokens) if seq.prefilling else 0
-            if n == 0:
+            if scoring:
+                rows = self._score_prompt(seq, s.work.start, rows)
+            if len(rows) == 0:
                 continue  # a prefill chunk that did not reach the prompt's end
             self._commit_row(seq, rows, s.drafts)
+
+    def _score_prompt(self, seq: Sequence, start: int, rows: np.ndarray) -> np.ndarray:
+        """Echo: scores the chunk's prompt tokens; returns the rows left to pick from (the
+        last, once the prompt is done and outputs are wanted)."""
+        seq.prompt_scores.extend(logprobs.score_prompt(rows, seq.prompt, start, seq.params.prompt_logprobs))
+        if seq.prefilling:
+            return rows[:0]
+        scores = seq.prompt_scores
+        self._emit(seq.handle, PromptLogprobs(tuple(seq.prompt), (None, *(t.logprob for t in scores)),
+                                              ((), *(t.top for t in scores))))
+        if seq.params.max_tokens == 0:
+            self._finish(seq, "length")
+            return rows[:0]
+        return rows[-1:]
 
     def _commit_row(self, seq: Sequence, rows: np.ndarray, drafts: list[int]) -> None:
         """Keeps tokens up to EOS, a stop string or max_tokens; with drafts, the accepted
         ones and one more from the target."""
         was_decoding = bool(seq.output)
-        kept, text, reason = [], [], None
+        kept, text, reason, scores = [], [], None, []
         for i in range(len(rows)):
-            token = sampler.sample(rows[i], seq.params, seq.rng)
+            picked = self.picker.pick(rows[i], seq)
+            token = picked.token
+            if picked.logprob is not None:
+                scores.append(picked.logprob)
             kept.append(token)
             seq.output.append(token)
             released, stopped = seq.stops.add(token)
@@ -329,11 +385,14 @@ class Engine:
         self.counters["spec_accepted"] += sum(1 for d, t in zip(drafts, kept, strict=False) if d == t)
         self.counters["spec_rounds"] += 1 if drafts else 0
         self.counters["generation_tokens"] += len(kept)
-        self._emit(seq.handle, Tokens(tuple(kept), "".join(text)))
+        self._emit(seq.handle, Tokens(tuple(kept), "".join(text), tuple(t.logprob for t in scores),
+                                      tuple(t.top for t in scores)))
         if reason:
             self._finish(seq, reason)
 
     def _ends_on_eos(self, seq: Sequence, token: int) -> bool:
+        if token in seq.params.stop_token_ids:
+            return True
         return token in self.model.tokenizer.eos_token_ids and not seq.params.ignore_eos
 
     def _reached_max_tokens(self, seq: Sequence) -> bool:

@@ -1,7 +1,8 @@
 """What the engine tells a request's owner, from the engine thread.
 
 A handle receives, in order: exactly one of Accepted or Rejected; then, if accepted, any
-number of Tokens; then exactly one Finished. `sink` is called on the engine thread, so it
+number of Tokens (after one PromptLogprobs when the prompt's logprobs were asked for); then
+exactly one Finished. `sink` is called on the engine thread, so it
 must be quick and thread-safe (the server hands events to its event loop).
 """
 
@@ -32,7 +33,18 @@ class Tokens:
 
     token_ids: tuple[int, ...]
     text: str
-    logprobs: tuple[float, ...] = ()
+    logprobs: tuple[float, ...] = ()  # one per token, when the request asked for logprobs
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()  # per token: (id, logprob), most likely first
+
+
+@dataclass(slots=True, frozen=True)
+class PromptLogprobs:
+    """The prompt's tokens scored by the model (echo), sent once its prefill is done, before
+    any Tokens. The first token has no logprob (None): nothing comes before it."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float | None, ...]
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...]
 
 
 @dataclass(slots=True, frozen=True)
@@ -45,7 +57,7 @@ class Finished:
     text: str = ""  # held-back text released at the end (never part of a stop string)
 
 
-Event = Accepted | Rejected | Tokens | Finished
+Event = Accepted | Rejected | Tokens | PromptLogprobs | Finished
 
 
 @dataclass(slots=True, eq=False)

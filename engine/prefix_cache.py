@@ -51,12 +51,14 @@ class PrefixCache:
     def num_cached_free(self) -> int:
         return self.pool.num_cached
 
-    def open(self, seq: Sequence, need: int) -> list[int] | None:
+    def open(self, seq: Sequence, need: int, extra: int = 0) -> list[int] | None:
         """The block table for `need` blocks, starting with the prompt's cached blocks; None
-        when the pool has no room now. Sets seq.num_computed to the tokens served."""
-        hits = self.match(seq.prompt)
+        when the pool has no room now, with `extra` more blocks left over (a request's other
+        choices). Sets seq.num_computed to the tokens served. A prompt being scored (echo)
+        takes no hits: it needs the logits of every position."""
+        hits = self.match(seq.prompt) if seq.params.prompt_logprobs is None else []
         reused_cached = sum(1 for b in hits if self.pool.ref_counts[b] == 0)  # leave the room count
-        if need - len(hits) > self.pool.num_free - reused_cached:
+        if need - len(hits) + extra > self.pool.num_free - reused_cached:
             return None
         for b in hits:
             self.pool.hold(b)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from . import choices
 from .blocks import BlockPool
 from .drivers.base import RowWork
 from .plan import Plan
@@ -52,13 +53,15 @@ class Scheduler:
         opened = []
         while self.waiting and self.free_rows:
             seq = self.next_waiting()
-            if not self._reserve(seq):
+            group = choices.to_open(seq)  # a request's choices open together, or not at all
+            if len(group) > len(self.free_rows) or not self._reserve(seq, group[1:]):
                 break  # the oldest waits for room; nothing younger goes ahead of it
-            self.waiting.remove(seq)
-            seq.row = self.free_rows.pop()
-            seq.status = Status.RUNNING
-            self.running.append(seq)
-            opened.append(seq)
+            for q in group:
+                self.waiting.remove(q)
+                q.row = self.free_rows.pop()
+                q.status = Status.RUNNING
+                self.running.append(q)
+                opened.append(q)
         return opened
 
     def next_waiting(self) -> Sequence:
@@ -69,19 +72,21 @@ class Scheduler:
         """Blocks reserved at open: the prompt plus the whole max_tokens."""
         return self.plan.blocks_for(seq.num_reserved_tokens)
 
-    def _reserve(self, seq: Sequence) -> bool:
+    def _reserve(self, seq: Sequence, others: list[Sequence] = ()) -> bool:
         if self.plan.num_blocks == 0:  # recurrent family: a row's state slot is all it needs
             return True
         need = self.blocks_needed(seq)
+        extra = choices.num_group_blocks(need, 1 + len(others), seq.group.shared_blocks if others else 0) - need
         if self.prefix_cache is not None:
-            table = self.prefix_cache.open(seq, need)
+            table = self.prefix_cache.open(seq, need, extra)
             if table is None:
                 return False
             seq.block_table = table
-            return True
-        if not self.pool.can_allocate(need):
+        elif not self.pool.can_allocate(need + extra):
             return False
-        seq.block_table = self.pool.allocate(need)
+        else:
+            seq.block_table = self.pool.allocate(need)
+        choices.attach(seq, list(others), self.pool, need, self.plan.block_size)
         return True
 
     # phase 4: what each row computes in this step, within the token budget
@@ -103,10 +108,14 @@ class Scheduler:
         for seq in sorted((s for s in self.running if s.prefilling), key=lambda s: s.arrival):
             if budget <= 0:
                 break
+            if not choices.may_step(seq):
+                continue  # a choice waits for the prompt blocks it shares to be written
             chunk = self.prefill_chunk(seq, budget, bool(decoding))
             last = seq.num_computed + len(chunk) == len(seq.prompt)
+            # A prompt being scored (echo) needs the logits of every position, not only the last.
+            num_logits = len(chunk) if seq.params.prompt_logprobs is not None else 1 if last else 0
             steps.append(Scheduled(seq, RowWork(seq.row, np.array(chunk, np.int32), seq.num_computed,
-                                                seq.block_table, 1 if last else 0)))
+                                                seq.block_table, num_logits)))
             budget -= len(chunk)
         return steps
 
@@ -126,6 +135,7 @@ class Scheduler:
         registers nothing (recurrent state)."""
         registered = 0
         if seq.status is Status.RUNNING:
+            choices.on_release(seq)
             self.running.remove(seq)
             self.free_rows.append(seq.row)
             if self.prefix_cache is not None:

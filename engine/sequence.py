@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -36,6 +37,8 @@ class Sequence:
     num_computed: int = 0  # tokens whose KV is written (prompt first, then outputs)
     num_cached: int = 0  # prompt tokens served from the prefix cache
     output: list[int] = field(default_factory=list)
+    group: Any = None  # choices.ChoiceGroup of a request with n > 1 choices
+    prompt_scores: list = field(default_factory=list)  # echo: the prompt's TokenLogprobs so far
 
     @property
     def request_id(self) -> int:

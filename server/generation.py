@@ -16,7 +16,7 @@ from starlette.responses import JSONResponse, Response
 from poot.engine import EngineDead, InvalidRequest
 from poot.engine.events import Accepted, Finished, Rejected, Tokens
 
-from . import loading, openai
+from . import choices, loading, openai
 from .event_stream import EventStream
 from .openai import DONE, ApiError, ChunkMaker
 from .state import ServerState
@@ -41,6 +41,8 @@ async def generate(state: ServerState, request: Request, chat: bool) -> Response
     engine = state.serving_engine()
     body = openai.parse_body(await read_body(request))
     parsed = parse(state, engine, body, chat)
+    if not parsed.choices.plain:  # n, best_of, echo or logprobs: one sequence per choice
+        return await choices.serve(state, request, parsed, engine)
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
 

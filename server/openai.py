@@ -9,9 +9,12 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from poot.engine import InvalidRequest, SamplingParams
+
+from . import sampling_fields
+from .sampling_fields import Choices
 
 MAX_BODY_BYTES = 1 << 20  # 1 MiB
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -45,6 +48,7 @@ class Parsed:
     params: SamplingParams
     stream: bool
     include_usage: bool
+    choices: Choices = field(default_factory=Choices)  # n, best_of, echo, logprobs
 
 
 def parse_body(raw: bytes) -> dict:
@@ -78,21 +82,6 @@ def _common(body: dict, *, chat: bool, default_max_tokens: int | None, models: t
         if model not in models:
             raise ApiError(404, f"the model {model!r} does not exist; this server serves {models[0]!r}",
                            "model", "model_not_found")
-    for name in ("n", "best_of"):
-        v = body.get(name)
-        if v is not None and (not _is_int(v) or v != 1):
-            raise bad(f"{name} must be 1: this server returns one choice per request", name)
-    for name in ("presence_penalty", "frequency_penalty"):
-        v = body.get(name)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int | float) or v != 0):
-            raise bad(f"{name} is not supported (only 0)", name)
-    if body.get("logit_bias"):
-        raise bad("logit_bias is not supported", "logit_bias")
-    # The engine reports no token log-probabilities yet: asking for them is refused, not ignored.
-    if body.get("logprobs") not in (None, 0, False):
-        raise bad("logprobs are not supported by this server", "logprobs")
-    if chat and body.get("top_logprobs") not in (None, 0):
-        raise bad("top_logprobs is not supported by this server", "top_logprobs")
     stream = _bool(body, "stream")
     opts = body.get("stream_options")
     include_usage = False
@@ -116,6 +105,10 @@ def _common(body: dict, *, chat: bool, default_max_tokens: int | None, models: t
         stop = tuple(stop)
     else:
         raise bad("stop must be a string or a list of strings", "stop")
+    try:
+        extra, choices = sampling_fields.parse(body, chat=chat, stream=stream, max_tokens=max_tokens)
+    except sampling_fields.FieldError as e:
+        raise bad(str(e), e.param) from None
     top_k = body.get("top_k", 0)
     if top_k is None or (_is_int(top_k) and top_k == -1):  # -1: "no cut" in other servers' dialect
         top_k = 0
@@ -127,12 +120,13 @@ def _common(body: dict, *, chat: bool, default_max_tokens: int | None, models: t
         seed=body.get("seed"),
         stop=stop,
         ignore_eos=_bool(body, "ignore_eos"),
+        **extra,
     )
     try:
         params.validate()
     except InvalidRequest as e:
         raise bad(str(e), e.param) from None
-    return {"params": params, "stream": stream, "include_usage": include_usage}
+    return {"params": params, "stream": stream, "include_usage": include_usage, "choices": choices}
 
 
 def parse_completion(body: dict, models: tuple[str, ...]) -> Parsed:
@@ -149,10 +143,6 @@ def parse_completion(body: dict, models: tuple[str, ...]) -> Parsed:
         raise bad("prompt must be a string or a list of token ids", "prompt")
     if not prompt:
         raise bad("the prompt is empty", "prompt")
-    if body.get("echo"):
-        raise bad("echo is not supported", "echo")
-    if body.get("suffix"):
-        raise bad("suffix is not supported", "suffix")
     common = _common(body, chat=False, default_max_tokens=16, models=models)
     return Parsed(False, prompt, **common)
 

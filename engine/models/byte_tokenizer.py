@@ -21,3 +21,7 @@ class ByteTokenizer:
         # Special tokens carry no text; a cut multi-byte character decodes to U+FFFD, which
         # the detokenizer treats as "not yet complete".
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's own bytes (a byte token may hold part of a character)."""
+        return bytes([token_id]) if token_id < 256 else b""

@@ -173,9 +173,23 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "seed": "s"}, 400, "seed"),
     ("/v1/completions", {"prompt": "x", "stop": 5}, 400, "stop"),
     ("/v1/completions", {"prompt": "x", "stop": [""]}, 400, "stop"),
-    ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n"),
+    ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n"),
+    ("/v1/completions", {"prompt": "x", "n": 2, "best_of": 1}, 400, "best_of"),
+    ("/v1/completions", {"prompt": "x", "best_of": 3, "stream": True}, 400, "best_of"),
+    ("/v1/completions", {"prompt": "x", "suffix": "end"}, 400, "suffix"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": 3}, 400, "presence_penalty"),
+    ("/v1/completions", {"prompt": "x", "frequency_penalty": "x"}, 400, "frequency_penalty"),
+    ("/v1/completions", {"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"a": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"1": 500}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"99999999": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "min_tokens": 99}, 400, "min_tokens"),
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": ["a"]}, 400, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "x", "echo": "yes"}, 400, "echo"),
     ("/v1/completions", {"prompt": "x", "stream": "yes"}, 400, "stream"),
-    ("/v1/completions", {"prompt": "x", "logprobs": 3}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 6}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "logprobs": True}, 400, "logprobs"),
     ("/v1/completions", {"prompt": "x", "model": "no-such-model"}, 404, "model"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 10**6, "stream": True}, 400, "max_tokens"),
     ("/v1/chat/completions", {"max_tokens": 4}, 400, "messages"),
@@ -184,7 +198,12 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 3}, 400, "n"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": "3"}, 400, "n"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                              "top_logprobs": 21}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": 1}, 400, "logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "best_of": 2}, 400, "best_of"),
 ]
 
 
@@ -274,6 +293,38 @@ def test_disconnect_frees_the_row_within_one_step(slow, stream):
     assert after["engine_steps_total"] - steps_at_close <= 2
     assert after[cancelled] == before[cancelled] + 1
     assert after["kv_blocks_reserved"] == 0
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["nonstream", "stream"])
+def test_disconnect_cancels_every_choice(slow, stream):
+    cancelled = 'requests_finished_total{reason="cancelled"}'
+    before = slow.wait_metric("engine_requests_running", lambda v: v == 0)
+    body = json.dumps({"prompt": "Hello", "max_tokens": 400, "ignore_eos": True, "stream": stream, "n": 3,
+                       "logprobs": 1}).encode()
+    sock = socket.create_connection(("127.0.0.1", slow.port))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    slow.wait_metric("generation_tokens_total", lambda v: v >= before["generation_tokens_total"] + 9)
+    sock.close()
+    after = slow.wait_metric("engine_requests_running", lambda v: v == 0, timeout=5)
+    assert after[cancelled] == before[cancelled] + 3
+    assert after["kv_blocks_reserved"] == 0
+
+
+def test_best_of_answers_the_n_best_and_counts_every_sequence(srv):
+    r = srv.post("/v1/completions", {"prompt": "Once", "max_tokens": 5, "ignore_eos": True, "temperature": 1.0,
+                                     "seed": 3, "best_of": 3, "n": 2})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    assert all(c["logprobs"] is None for c in body["choices"])  # ranked by logprobs nobody asked to see
+    assert body["usage"]["completion_tokens"] == 15
+    scored = srv.post("/v1/completions", {"prompt": "Once", "max_tokens": 5, "ignore_eos": True, "temperature": 1.0,
+                                          "seed": 3, "best_of": 3, "logprobs": 0}).json()
+    everyone = srv.post("/v1/completions", {"prompt": "Once", "max_tokens": 5, "ignore_eos": True, "temperature": 1.0,
+                                            "seed": 3, "n": 3, "logprobs": 0}).json()
+    sums = sorted((sum(c["logprobs"]["token_logprobs"]) for c in everyone["choices"]), reverse=True)
+    assert sum(scored["choices"][0]["logprobs"]["token_logprobs"]) == pytest.approx(sums[0])
 
 
 def test_fault_route_absent_without_the_flag(slow):

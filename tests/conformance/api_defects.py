@@ -1,0 +1,272 @@
+"""Deliberate defects of the OpenAI surface for the api/logprobs, api/echo, api/n and
+api/penalties clauses, as ASGI wrappers around the unchanged reference app.
+
+Each defect rewrites what passes through: a request body before the app reads it, or the
+JSON of a whole answer and of each streamed event after the app wrote it. `DEFECTS` maps a
+name to (the wrapper, the clause it must break, clauses it may also break).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+
+Json = dict
+
+
+class Rewrite:
+    """Wraps an ASGI app; `request` rewrites POST bodies, `answer` every JSON answer or event."""
+
+    def __init__(self, app, request: Callable[[Json], Json] | None = None,
+                 answer: Callable[[Json], Json] | None = None, refuse: Callable[[Json], bool] | None = None):
+        self.app, self.request, self.answer, self.refuse = app, request, answer, refuse
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] != "POST" or not scope["path"].startswith("/v1/"):
+            return await self.app(scope, receive, send)
+        raw, more = b"", True
+        while more:
+            message = await receive()
+            raw += message.get("body", b"")
+            more = message.get("more_body", False)
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            body = None
+        if isinstance(body, dict) and self.refuse is not None and self.refuse(body):
+            return await self._refuse(send)
+        if isinstance(body, dict) and self.request is not None:
+            raw = json.dumps(self.request(body)).encode()
+        sent = False
+
+        async def replay():
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": raw, "more_body": False}
+            return await receive()
+
+        start: dict = {}
+
+        async def rewrite(message):
+            if message["type"] == "http.response.start":
+                start.update(message)
+                if not self._is_stream(message):
+                    return  # held until the whole body is known (its length changes)
+                return await send(message)
+            if message["type"] != "http.response.body":
+                return await send(message)
+            if self._is_stream(start):
+                return await send({**message, "body": self._events(message.get("body", b""))})
+            if not hasattr(rewrite, "buffer"):
+                rewrite.buffer = b""
+            rewrite.buffer += message.get("body", b"")
+            if message.get("more_body"):
+                return
+            out = self._json(rewrite.buffer) if start.get("status") == 200 else rewrite.buffer
+            headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
+            headers.append((b"content-length", str(len(out)).encode()))
+            await send({**start, "headers": headers})
+            await send({"type": "http.response.body", "body": out, "more_body": False})
+
+        await self.app(scope, replay, rewrite)
+
+    @staticmethod
+    def _is_stream(start: dict) -> bool:
+        return any(k.lower() == b"content-type" and v.startswith(b"text/event-stream") for k, v in start.get("headers", []))
+
+    def _json(self, raw: bytes) -> bytes:
+        if self.answer is None:
+            return raw
+        try:
+            return json.dumps(self.answer(json.loads(raw))).encode()
+        except ValueError:
+            return raw
+
+    def _events(self, raw: bytes) -> bytes:
+        if self.answer is None:
+            return raw
+        out = []
+        for line in raw.decode().split("\n"):
+            if line.startswith("data: ") and line[6:].strip() != "[DONE]":
+                try:
+                    line = "data: " + json.dumps(self.answer(json.loads(line[6:])))
+                except ValueError:
+                    pass
+            out.append(line)
+        return "\n".join(out).encode()
+
+    @staticmethod
+    async def _refuse(send):
+        body = json.dumps({"error": {"message": "logprobs and echo are not supported", "type": "invalid_request_error",
+                                     "param": "logprobs", "code": None}}).encode()
+        await send({"type": "http.response.start", "status": 400,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+class FanOut:
+    """Answers a non-streamed completion for n choices by n concurrent single requests."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] != "/v1/completions":
+            return await self.app(scope, receive, send)
+        raw, more = b"", True
+        while more:
+            message = await receive()
+            raw += message.get("body", b"")
+            more = message.get("more_body", False)
+        body = json.loads(raw)
+        n = body.get("n") or 1
+        if n == 1 or body.get("stream"):
+            return await self.app(scope, _replay(json.dumps(body).encode(), receive), send)
+        one = json.dumps({**body, "n": 1}).encode()
+        answers = await asyncio.gather(*(self._call(scope, one, receive) for _ in range(n)))
+        status, merged = answers[0]
+        if status == 200:
+            merged["choices"] = [{**a["choices"][0], "index": i} for i, (_, a) in enumerate(answers)]
+            merged["usage"]["completion_tokens"] = sum(a["usage"]["completion_tokens"] for _, a in answers)
+        out = json.dumps(merged).encode()
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(out)).encode())]})
+        await send({"type": "http.response.body", "body": out})
+
+    async def _call(self, scope, raw: bytes, receive) -> tuple[int, dict]:
+        status, parts = 0, []
+
+        async def collect(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            elif message["type"] == "http.response.body":
+                parts.append(message.get("body", b""))
+
+        await self.app(scope, _replay(raw, receive), collect)
+        return status, json.loads(b"".join(parts))
+
+
+def _replay(raw: bytes, receive):
+    sent = False
+
+    async def replay():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": raw, "more_body": False}
+        return await receive()
+    return replay
+
+
+# ---- the rewrites ------------------------------------------------------------------------------
+
+def each_choice(change: Callable[[dict], None]) -> Callable[[Json], Json]:
+    def answer(body: Json) -> Json:
+        for c in body.get("choices") or []:
+            change(c)
+        return body
+    return answer
+
+
+def _completion_lists(change: Callable[[dict], None]) -> Callable[[dict], None]:
+    def on_choice(c: dict) -> None:
+        if isinstance(c.get("logprobs"), dict) and "tokens" in c["logprobs"]:
+            change(c["logprobs"])
+    return on_choice
+
+
+def _shift(lp: dict) -> None:  # as if logprobs came from another distribution than the pick
+    lp["token_logprobs"] = [p if p is None else p - 0.5 for p in lp["token_logprobs"]]
+
+
+def _no_offsets(lp: dict) -> None:
+    lp.pop("text_offset", None)
+
+
+def _first_scored(lp: dict) -> None:
+    if lp["token_logprobs"] and lp["token_logprobs"][0] is None:  # an echoed prompt's first token
+        lp["token_logprobs"][0] = 0.0
+
+
+def _no_bytes(c: dict) -> None:
+    for entry in (c.get("logprobs") or {}).get("content") or []:
+        entry.pop("bytes", None)
+
+
+def _stream_no_logprobs(body: Json) -> Json:
+    if body.get("object") == "chat.completion.chunk":
+        for c in body.get("choices") or []:
+            c["logprobs"] = None
+    return body
+
+
+def _one_choice(body: Json) -> Json:
+    if body.get("object") == "text_completion" and "usage" in body:
+        body["choices"] = body["choices"][:1]
+    return body
+
+
+def _stream_one_index(body: Json) -> Json:
+    if body.get("usage"):  # a whole answer, or a stream's usage chunk
+        return body
+    for c in body.get("choices") or []:
+        c["index"] = 0
+    return body
+
+
+def _without(*names: str) -> Callable[[Json], Json]:
+    def request(body: Json) -> Json:
+        for name in names:
+            body.pop(name, None)
+        return body
+    return request
+
+
+def _asks_logprobs(body: Json) -> bool:
+    return body.get("logprobs") not in (None, False) or bool(body.get("echo"))
+
+
+@dataclass(frozen=True)
+class Defect:
+    name: str
+    breaks: str
+    does: str
+    wrap: Callable
+    also: tuple[str, ...] = ()
+
+
+DEFECTS: tuple[Defect, ...] = (
+    Defect("logprobs_not_of_the_pick", "api/logprobs/2", "completion logprobs are 0.5 below the picked token's",
+           lambda app: Rewrite(app, answer=each_choice(_completion_lists(_shift)))),
+    Defect("logprobs_no_text_offset", "api/logprobs/1", "completion logprobs lack text_offset",
+           lambda app: Rewrite(app, answer=each_choice(_completion_lists(_no_offsets))),
+           also=("api/echo/1",)),
+    Defect("chat_logprobs_no_bytes", "api/logprobs/3", "chat logprobs entries lack bytes",
+           lambda app: Rewrite(app, answer=each_choice(_no_bytes))),
+    Defect("chat_stream_drops_logprobs", "api/logprobs/4", "streamed chat chunks carry no logprobs",
+           lambda app: Rewrite(app, answer=_stream_no_logprobs)),
+    Defect("echo_ignored", "api/echo/1", "echo is dropped from the request",
+           lambda app: Rewrite(app, request=_without("echo"))),
+    Defect("echo_scores_first_token", "api/echo/2", "the first prompt token gets logprob 0 instead of null",
+           lambda app: Rewrite(app, answer=each_choice(_completion_lists(_first_scored))),
+           also=("api/echo/1", "api/logprobs/1")),
+    Defect("n_answers_one_choice", "api/n/1", "a request for n choices answers only the first",
+           lambda app: Rewrite(app, answer=_one_choice), also=("api/n/2",)),
+    Defect("n_stream_one_index", "api/n/2", "every streamed choice comes under index 0",
+           lambda app: Rewrite(app, answer=_stream_one_index)),
+    Defect("n_prefills_each_choice", "api/n/3", "n choices run as n concurrent requests, each prefilling the prompt",
+           lambda app: FanOut(app)),
+    Defect("frequency_penalty_ignored", "api/penalties/1", "frequency_penalty is dropped from the request",
+           lambda app: Rewrite(app, request=_without("frequency_penalty"))),
+    Defect("logit_bias_ignored", "api/penalties/2", "logit_bias is dropped from the request",
+           lambda app: Rewrite(app, request=_without("logit_bias")), also=("api/penalties/1", "api/penalties/3")),
+    Defect("stop_token_ids_ignored", "api/penalties/3", "stop_token_ids is dropped from the request",
+           lambda app: Rewrite(app, request=_without("stop_token_ids"))),
+)
+
+# A server that refuses logprobs and echo with a 400: those clauses are not supported, not failed.
+REFUSES_LOGPROBS = lambda app: Rewrite(app, refuse=_asks_logprobs)  # noqa: E731
