@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant, rule
 
-from poot.engine import SamplingParams
+from poot.engine import EngineDead, SamplingParams
 from poot.engine.sequence import Status
 
 from .harness import Record
@@ -24,8 +24,12 @@ class ChoicesMachine(PrefixMachine):
                                 seed=cut, logprobs=logprobs, prompt_logprobs=1 if echo else None,
                                 frequency_penalty=penalty)
         recs = [Record() for _ in range(n)]
-        handles = self.engine.submit_choices(self.systems[system][:cut], params, recs)
-        self.requests.extend(zip(recs, handles, strict=True))
+        try:
+            handles = self.engine.submit_choices(self.systems[system][:cut], params, recs)
+        except EngineDead:
+            assert not self.alive
+            return
+        self.requests.extend((rec, h, params.max_tokens) for rec, h in zip(recs, handles, strict=True))
 
     @invariant()
     def hits_map_registered_blocks_and_leave_a_token_to_compute(self):
@@ -41,11 +45,6 @@ class ChoicesMachine(PrefixMachine):
                 for m in q.group.members:
                     if m.status is Status.RUNNING:
                         assert m.block_table[:shared] == q.block_table[:shared]
-
-    @rule(fail=st.booleans())
-    def refuse_next_step(self, fail):
-        if fail:
-            self.engine.inject_fault("refuse")
 
 
 ChoicesMachine.TestCase.settings = settings(
