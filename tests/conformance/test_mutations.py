@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from poot_mutants.registry import CRASH_AT_START, MUTANTS, Mutant
+from poot_mutants.registry import CRASH_AT_START, MUTANTS, REFUSES_LOGPROBS, SAMPLING, Mutant
 
 from poot.conformance.target import BUNDLED_MODEL, BUNDLED_RECURRENT_MODEL
 
@@ -80,3 +80,15 @@ def test_a_variant_that_crashes_at_start_fails_the_proof(tmp_path):
     assert clauses[CRASH_AT_START.breaks]["outcome"] == "failed"  # what the old proof took as proof
     with pytest.raises(AssertionError, match="control clause"):
         check(CRASH_AT_START, clauses, code)
+
+
+def test_a_server_that_refuses_logprobs_is_not_supported_for_them(tmp_path):
+    """A 400 for a parameter the server does not offer is an honest refusal: the clauses that
+    need it come out not supported, and every other sampling clause still passes."""
+    clauses, code, tail = run_suite(REFUSES_LOGPROBS, tmp_path)
+    refused = [cid for cid in clauses if cid.startswith(("api/logprobs", "api/echo"))]
+    assert refused and {clauses[cid]["outcome"] for cid in refused} == {"not_supported"}, \
+        {cid: clauses[cid]["outcome"] for cid in refused}
+    others = {cid: c["outcome"] for cid, c in clauses.items() if cid not in refused}
+    assert set(others.values()) == {"passed"} and any(cid.startswith(SAMPLING) for cid in others), others
+    assert code == 0, tail

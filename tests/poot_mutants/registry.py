@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from . import api_parts as a
 from . import engine_parts as e
 from . import http_parts as h
 
@@ -239,11 +240,46 @@ MUTANTS: tuple[Mutant, ...] = (
       also=("determinism/batch/1", "determinism/seed/1"), scope=("determinism",)),
 )
 
+# The sampling API: rewrites around the app, run on the sampling clauses with a completion as control.
+SAMPLING = ("api/logprobs", "api/echo", "api/n", "api/penalties")
+MUTANTS += tuple(M(name, breaks, does, reason, {"middleware": part}, also=also, scope=SAMPLING,
+                   control="api/completions/1") for name, breaks, does, reason, part, also in (
+    ("logprobs_not_of_the_pick", "api/logprobs/2", "completion logprobs are 0.5 below the picked token's",
+     "but its best alternative has", a.logprobs_not_of_the_pick, ()),
+    ("logprobs_no_text_offset", "api/logprobs/1", "completion logprobs lack text_offset",
+     "text_offset is None", a.logprobs_no_text_offset, ("api/echo/1",)),
+    ("chat_logprobs_no_bytes", "api/logprobs/3", "chat logprobs entries lack bytes",
+     "bytes is None", a.chat_logprobs_no_bytes, ()),
+    ("chat_stream_drops_logprobs", "api/logprobs/4", "streamed chat chunks carry no logprobs",
+     "differ from the whole answer's", a.chat_stream_drops_logprobs, ()),
+    ("echo_ignored", "api/echo/1", "echo is dropped from the request",
+     "expected the prompt then", a.echo_ignored, ()),
+    ("echo_scores_first_token", "api/echo/2", "the first prompt token gets logprob 0 instead of null",
+     "expected null", a.echo_scores_first_token, ("api/echo/1", "api/logprobs/1")),
+    ("n_answers_one_choice", "api/n/1", "a request for n choices answers only the first",
+     "choice indices [0]", a.n_answers_one_choice, ("api/n/2",)),
+    ("n_stream_one_index", "api/n/2", "every streamed choice comes under index 0",
+     "streamed choice indices [0]", a.n_stream_one_index, ()),
+    ("n_prefills_each_choice", "api/n/3", "n choices run as n concurrent requests, each prefilling the prompt",
+     "the prompt was prefilled more than once", a.n_prefills_each_choice, ()),
+    ("frequency_penalty_ignored", "api/penalties/1", "frequency_penalty is dropped from the request",
+     "left the forced repetition", a.frequency_penalty_ignored, ()),
+    ("logit_bias_ignored", "api/penalties/2", "logit_bias is dropped from the request",
+     "not one token repeated", a.logit_bias_ignored, ("api/penalties/1", "api/penalties/3")),
+    ("stop_token_ids_ignored", "api/penalties/3", "stop_token_ids is dropped from the request",
+     "expected 'stop'", a.stop_token_ids_ignored, ()),
+))
+
 # Not a defect of any clause: a variant that cannot start, for the test that shows such a
 # variant fails the proof instead of passing it.
 CRASH_AT_START = M("crash_at_start", "api/models/1", "the engine cannot be built", "expected 'list'",
                    {"engine": e.CrashAtStart}, scope=("api/models",))
 
-BY_NAME = {m.name: m for m in (*MUTANTS, CRASH_AT_START)}
+# Not a defect either: a server that honestly refuses logprobs and echo with a 400, for the test
+# that shows such a server is "not supported" on those clauses, never failed.
+REFUSES_LOGPROBS = M("refuses_logprobs", "api/logprobs/1", "logprobs and echo are refused with 400", "-",
+                     {"middleware": a.refuses_logprobs}, scope=SAMPLING, control="api/completions/1")
+
+BY_NAME = {m.name: m for m in (*MUTANTS, CRASH_AT_START, REFUSES_LOGPROBS)}
 PARTS = ("engine", "scheduler", "prefix_cache", "stop_checker", "random_stream", "driver", "state", "middleware",
          "parser")

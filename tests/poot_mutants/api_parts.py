@@ -1,17 +1,13 @@
-"""Deliberate defects of the OpenAI surface for the api/logprobs, api/echo, api/n and
-api/penalties clauses, as ASGI wrappers around the unchanged reference app.
-
-Each defect rewrites what passes through: a request body before the app reads it, or the
-JSON of a whole answer and of each streamed event after the app wrote it. `DEFECTS` maps a
-name to (the wrapper, the clause it must break, clauses it may also break).
-"""
+"""Defects of the sampling API (api/logprobs, api/echo, api/n, api/penalties), as ASGI
+wrappers around the unchanged app: each rewrites a request body before the app reads it, or
+the JSON of a whole answer and of each streamed event after the app wrote it. Each factory
+below takes (app, state), as the registry's middleware parts do."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
 
 Json = dict
 
@@ -230,43 +226,24 @@ def _asks_logprobs(body: Json) -> bool:
     return body.get("logprobs") not in (None, False) or bool(body.get("echo"))
 
 
-@dataclass(frozen=True)
-class Defect:
-    name: str
-    breaks: str
-    does: str
-    wrap: Callable
-    also: tuple[str, ...] = ()
+def _rewrite(**how):
+    return lambda app, state: Rewrite(app, **how)
 
 
-DEFECTS: tuple[Defect, ...] = (
-    Defect("logprobs_not_of_the_pick", "api/logprobs/2", "completion logprobs are 0.5 below the picked token's",
-           lambda app: Rewrite(app, answer=each_choice(_completion_lists(_shift)))),
-    Defect("logprobs_no_text_offset", "api/logprobs/1", "completion logprobs lack text_offset",
-           lambda app: Rewrite(app, answer=each_choice(_completion_lists(_no_offsets))),
-           also=("api/echo/1",)),
-    Defect("chat_logprobs_no_bytes", "api/logprobs/3", "chat logprobs entries lack bytes",
-           lambda app: Rewrite(app, answer=each_choice(_no_bytes))),
-    Defect("chat_stream_drops_logprobs", "api/logprobs/4", "streamed chat chunks carry no logprobs",
-           lambda app: Rewrite(app, answer=_stream_no_logprobs)),
-    Defect("echo_ignored", "api/echo/1", "echo is dropped from the request",
-           lambda app: Rewrite(app, request=_without("echo"))),
-    Defect("echo_scores_first_token", "api/echo/2", "the first prompt token gets logprob 0 instead of null",
-           lambda app: Rewrite(app, answer=each_choice(_completion_lists(_first_scored))),
-           also=("api/echo/1", "api/logprobs/1")),
-    Defect("n_answers_one_choice", "api/n/1", "a request for n choices answers only the first",
-           lambda app: Rewrite(app, answer=_one_choice), also=("api/n/2",)),
-    Defect("n_stream_one_index", "api/n/2", "every streamed choice comes under index 0",
-           lambda app: Rewrite(app, answer=_stream_one_index)),
-    Defect("n_prefills_each_choice", "api/n/3", "n choices run as n concurrent requests, each prefilling the prompt",
-           lambda app: FanOut(app)),
-    Defect("frequency_penalty_ignored", "api/penalties/1", "frequency_penalty is dropped from the request",
-           lambda app: Rewrite(app, request=_without("frequency_penalty"))),
-    Defect("logit_bias_ignored", "api/penalties/2", "logit_bias is dropped from the request",
-           lambda app: Rewrite(app, request=_without("logit_bias")), also=("api/penalties/1", "api/penalties/3")),
-    Defect("stop_token_ids_ignored", "api/penalties/3", "stop_token_ids is dropped from the request",
-           lambda app: Rewrite(app, request=_without("stop_token_ids"))),
-)
-
+logprobs_not_of_the_pick = _rewrite(answer=each_choice(_completion_lists(_shift)))
+logprobs_no_text_offset = _rewrite(answer=each_choice(_completion_lists(_no_offsets)))
+chat_logprobs_no_bytes = _rewrite(answer=each_choice(_no_bytes))
+chat_stream_drops_logprobs = _rewrite(answer=_stream_no_logprobs)
+echo_ignored = _rewrite(request=_without("echo"))
+echo_scores_first_token = _rewrite(answer=each_choice(_completion_lists(_first_scored)))
+n_answers_one_choice = _rewrite(answer=_one_choice)
+n_stream_one_index = _rewrite(answer=_stream_one_index)
+frequency_penalty_ignored = _rewrite(request=_without("frequency_penalty"))
+logit_bias_ignored = _rewrite(request=_without("logit_bias"))
+stop_token_ids_ignored = _rewrite(request=_without("stop_token_ids"))
 # A server that refuses logprobs and echo with a 400: those clauses are not supported, not failed.
-REFUSES_LOGPROBS = lambda app: Rewrite(app, refuse=_asks_logprobs)  # noqa: E731
+refuses_logprobs = _rewrite(refuse=_asks_logprobs)
+
+
+def n_prefills_each_choice(app, state):
+    return FanOut(app)
