@@ -80,26 +80,30 @@ class StepArrays:
         return len(self.row_ids)
 
 
-def step_arrays(batch: list[RowWork], block_size: int) -> StepArrays:
-    """The flat arrays of a batch. Per-row work is a few NumPy calls; per-token work is
-    vectorized over the whole step."""
-    counts = np.fromiter((len(w.tokens) for w in batch), np.int64, len(batch))
-    starts = np.fromiter((w.start for w in batch), np.int64, len(batch))
-    first = np.zeros(len(batch), np.int64)
-    np.cumsum(counts[:-1], out=first[1:])
-    token_row = np.repeat(np.arange(len(batch)), counts)
-    positions = np.arange(int(counts.sum())) - first[token_row] + starts[token_row]
-    # A family without KV blocks (recurrent state) has empty tables: its slots are -1.
-    blocks = np.concatenate([np.asarray(w.block_table, np.int64)[np.arange(w.start, w.start + len(w.tokens))
-                                                                   // block_size]
-                             if w.block_table else np.full(len(w.tokens), -1, np.int64) for w in batch])
-    logit_idx = np.concatenate([np.arange(f + n - w.num_logits, f + n) for w, f, n in zip(batch, first, counts,
-                                                                                            strict=True)])
+def step_arrays(batch: list[RowWork], block_size: int, tables: np.ndarray | None) -> StepArrays:
+    """The flat arrays of a batch, vectorized over its tokens. `tables` holds each open row's
+    block table (rows, blocks), as told by open_row; None for a family without KV blocks
+    (recurrent state), whose slots are -1."""
+    n = len(batch)
+    counts = np.fromiter((len(w.tokens) for w in batch), np.int64, n)
+    starts = np.fromiter((w.start for w in batch), np.int64, n)
+    rows = np.fromiter((w.row for w in batch), np.int64, n)
+    logits = np.fromiter((w.num_logits for w in batch), np.int64, n)
+    ends = np.cumsum(counts)
+    first = ends - counts
+    token_row = np.repeat(np.arange(n), counts)
+    positions = np.arange(int(ends[-1])) - first[token_row] + starts[token_row]
+    if tables is None:
+        slots = np.full(len(positions), -1, np.int64)
+    else:
+        slots = tables[rows[token_row], positions // block_size] * block_size + positions % block_size
+    logit_row = np.repeat(np.arange(n), logits)
+    logit_idx = np.arange(int(logits.sum())) - (np.cumsum(logits) - logits)[logit_row] + (ends - logits)[logit_row]
+    tokens = batch[0].tokens if n == 1 else np.concatenate([w.tokens for w in batch])
     i32 = np.int32
-    return StepArrays(np.concatenate([w.tokens for w in batch]).astype(i32), positions.astype(i32),
-                      np.where(blocks < 0, -1, blocks * block_size + positions % block_size).astype(i32), token_row.astype(i32),
-                      np.fromiter((w.row for w in batch), i32, len(batch)), first.astype(i32), counts.astype(i32),
-                      (starts + counts).astype(i32), logit_idx.astype(i32), block_size)
+    return StepArrays(tokens.astype(i32), positions.astype(i32), slots.astype(i32), token_row.astype(i32),
+                      rows.astype(i32), first.astype(i32), counts.astype(i32), (starts + counts).astype(i32),
+                      logit_idx.astype(i32), block_size)
 
 
 @dataclass(slots=True)
@@ -120,6 +124,9 @@ class Driver(ABC):
         self.plan: Plan | None = None
         self._armed_failure: str | None = None
         self.open_rows: dict[int, list[int]] = {}
+        # Every open row's block table as one (rows, blocks) host array, padded with the
+        # row's first block; None until a row with blocks opens (recurrent families have none).
+        self.tables: np.ndarray | None = None
 
     @abstractmethod
     def device(self) -> DeviceInfo: ...
@@ -143,6 +150,13 @@ class Driver(ABC):
     def open_row(self, row: int, block_table: list[int]) -> None:
         """A sequence took `row` with this block table, fixed until close_row."""
         self.open_rows[row] = list(block_table)
+        if block_table:
+            if self.tables is None:
+                plan = self.plan
+                self.tables = np.zeros((plan.rows, plan.blocks_for(plan.positions)), np.int64)
+            width = self.tables.shape[1]
+            self.tables[row, : len(block_table)] = block_table[:width]
+            self.tables[row, len(block_table):] = block_table[0]
 
     def close_row(self, row: int) -> None:
         self.open_rows.pop(row, None)
@@ -154,7 +168,7 @@ class Driver(ABC):
         if armed == "refuse":
             raise StepRefused("injected: the driver refused the step")
         self._check(batch)
-        arrays = step_arrays(batch, self.plan.block_size)
+        arrays = step_arrays(batch, self.plan.block_size, self.tables)
         try:
             out = self._run(arrays, batch)
         except (StepRefused, DeviceFault):

@@ -104,4 +104,4 @@ class NumpyDriver(Driver):
         With the kernels, rows of up to PAGED_ROW_TOKENS tokens (decode, speculative
         verification) attend in place; without them only decode rows are paged queries."""
         paged_upto = PAGED_ROW_TOKENS if self.kernels is not None else 1
-        return llama.step_layout(step, self.open_rows, paged_upto)
+        return llama.step_layout(step, self.tables, paged_upto)

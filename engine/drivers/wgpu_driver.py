@@ -147,7 +147,7 @@ class WgpuDriver(Driver):
         self.index = storage(wgsl.INDEX_SECTIONS * tmax * 4)
         self.index_host = np.zeros(wgsl.INDEX_SECTIONS * tmax, np.int32)
         self.step_uniform = dev.create_buffer(size=16, usage=u.UNIFORM | u.COPY_DST)
-        self.tables = storage(plan.rows * self.max_blocks * 4)
+        self.device_tables = storage(plan.rows * self.max_blocks * 4)
         rope = np.ascontiguousarray(prepared.rope).view(np.float32)  # (positions, hd / 2, [cos, sin])
         self.rope = upload(rope)
         slots = plan.num_blocks * plan.block_size
@@ -181,7 +181,7 @@ class WgpuDriver(Driver):
                 "rms1": self._group("rms", (d // 4, 0, eps), [b["x"], self.index, self.zeros, b["h"]]),
                 "qkv": self._products(layer["wqkv"], b["h"], b["qkv"], q_size + 2 * kv_size),
                 "rope": self._group("rope", (), [b["qkv"], self.index, self.rope, b["q"], kc, vc]),
-                "attention": self._group("attention", (), [b["q"], kc, vc, self.index, self.tables, b["att"]]),
+                "attention": self._group("attention", (), [b["q"], kc, vc, self.index, self.device_tables, b["att"]]),
                 "wo": self._products(layer["wo"], b["att"], b["x"], d, accumulate=True),
                 "rms2": self._group("rms", (d // 4, 0, eps), [b["x"], self.index, self.zeros, b["h"]]),
                 "gate_up": self._products(layer["w_gate_up"], b["h"], b["gu"], 2 * inter),
@@ -243,7 +243,7 @@ class WgpuDriver(Driver):
         super().open_row(row, block_table)
         table = np.zeros(self.max_blocks, np.int32)
         table[: len(block_table)] = block_table[: self.max_blocks]
-        self.device_.queue.write_buffer(self.tables, row * self.max_blocks * 4, table)
+        self.device_.queue.write_buffer(self.device_tables, row * self.max_blocks * 4, table)
 
     # ---- the step -----------------------------------------------------------------------
 

@@ -144,38 +144,32 @@ def _bias(valid: np.ndarray) -> np.ndarray:
     return np.where(valid, np.float32(0), np.float32(-np.inf)).astype(np.float32)
 
 
-def step_layout(step, tables: dict[int, list[int]], paged_upto: int = 1) -> StepLayout:
+def step_layout(step, tables: np.ndarray, paged_upto: int = 1) -> StepLayout:
     """Rows fed at most `paged_upto` tokens become paged queries; longer rows (prefill
     chunks) are attended chunk-wise with a causal mask. `step` is the driver's StepArrays,
-    `tables` each open row's block table."""
+    `tables` every open row's block table, (rows, blocks), padded with the row's first block."""
     block_size = step.block_size
     positions = step.positions.astype(np.int64)
     slots = step.kv_slots.astype(np.int64)
-    paged_idx, paged_lengths, paged_table_of, paged, prefills = [], [], [], [], []
-    for r in range(step.num_rows):
-        first, n, ctx = int(step.row_first[r]), int(step.row_tokens[r]), int(step.seq_lens[r])
-        table = np.asarray(tables[int(step.row_ids[r])][: -(-ctx // block_size)], dtype=np.int64)
+    counts = step.row_tokens
+    short = counts <= paged_upto
+    token_short = short[step.token_row]
+    paged_idx = np.flatnonzero(token_short)
+    paged_rows = np.flatnonzero(short)
+    width = int(-(-step.seq_lens[paged_rows].max() // block_size)) if len(paged_rows) else 0
+    padded = tables[step.row_ids[paged_rows], :width] if len(paged_rows) else np.empty((0, 0), np.int64)
+    table_of = np.cumsum(short) - 1  # each short row's index among the paged tables
+    prefills = []
+    for r in np.flatnonzero(~short):
+        first, n, ctx = int(step.row_first[r]), int(counts[r]), int(step.seq_lens[r])
+        table = tables[int(step.row_ids[r]), : -(-ctx // block_size)]
+        keys = np.arange(len(table) * block_size)
         pos = positions[first : first + n]
-        if n <= paged_upto:
-            paged_idx.append(np.arange(first, first + n))
-            paged_lengths.append(pos + 1)
-            paged_table_of.append(np.full(n, len(paged)))
-            paged.append(table)
-        else:
-            keys = np.arange(len(table) * block_size)
-            prefills.append((first, n, ctx, table, _bias(keys[None, :] <= pos[:, None])))
-    width = max((len(t) for t in paged), default=0)
-    padded = np.empty((len(paged), width), dtype=np.int64)
-    for i, t in enumerate(paged):
-        padded[i, : len(t)] = t
-        padded[i, len(t):] = t[0]  # padding: a block of the row's own, beyond its length
-    def joined(parts):
-        return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
-    paged_idx = joined(paged_idx)
-    return StepLayout(positions, slots // block_size, slots % block_size, paged_idx, padded,
-                      joined(paged_table_of), joined(paged_lengths), prefills,
-                      step.logit_idx.astype(np.int64), len(paged_idx) == step.num_tokens, block_size,
-                      step.tokens.astype(np.int64))
+        prefills.append((first, n, ctx, table, _bias(keys[None, :] <= pos[:, None])))
+    return StepLayout(positions, slots // block_size, slots % block_size, paged_idx.astype(np.int64),
+                      np.ascontiguousarray(padded, dtype=np.int64), table_of[step.token_row[paged_idx]].astype(np.int64),
+                      positions[paged_idx] + 1, prefills, step.logit_idx.astype(np.int64),
+                      len(paged_idx) == step.num_tokens, block_size, step.tokens.astype(np.int64))
 
 
 def paged_attention_gathered(xp, q, cache, tables, lengths):
