@@ -179,3 +179,17 @@ def test_smollm2_logits_and_greedy_tokens_equal_the_numpy_drivers(smollm2):
             feed = np.array([picked["cpu"][-1]], np.int32)
         assert picked["cpu"] == picked["gpu"], text
     print(f"largest SmolLM2 logit difference, wgpu against numpy: {worst:.2e}")
+
+
+def test_poot_serve_on_vulkan_without_a_vulkan_driver_exits_saying_what_to_install():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    serve = Path(sys.executable).with_name("poot-serve")
+    env = {**os.environ, "VK_ICD_FILENAMES": "/nonexistent/icd.json", "VK_DRIVER_FILES": "/nonexistent/icd.json"}
+    run = subprocess.run([str(serve), "--backend", "vulkan", "--model", "synthetic", "--port", "0"],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert run.returncode == 1
+    assert "no Vulkan adapter found" in run.stderr and "mesa-vulkan-drivers" in run.stderr, run.stderr[-2000:]
