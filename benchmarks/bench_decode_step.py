@@ -25,6 +25,7 @@ def decode_batch(engine, rows):
     batch = []
     for r in range(rows):
         table = list(range(r * per_row, (r + 1) * per_row))
+        engine.driver.open_row(r, table)
         batch.append(RowWork(r, np.array([65 + r % 26], np.int32), CONTEXT, table, 1))
     return batch
 

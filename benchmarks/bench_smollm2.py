@@ -152,6 +152,7 @@ class Bench:
             self.driver.plan = dataclasses.replace(plan, token_budget=budget, idle_token_budget=budget)
         try:
             out = None
+            self.driver.open_row(0, table)
             for start in range(0, len(tokens), budget):
                 piece = tokens[start : start + budget]
                 last = start + len(piece) == len(tokens)
@@ -171,6 +172,8 @@ class Bench:
         from poot.engine.drivers.base import RowWork
 
         self.fill_rows(rows)
+        for r in range(rows):
+            self.driver.open_row(r, self.tables[r])
         return [RowWork(r, self._tokens(1), self.context, self.tables[r], 1) for r in range(rows)]
 
     def products(self, tokens: int, logits: int):

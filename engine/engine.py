@@ -98,7 +98,8 @@ class Engine:
         from .drivers import make_driver
 
         driver = driver or make_driver(backend)
-        plan = fit_plan(driver.device(), model.config, driver.weight_bytes(model), model.name)
+        plan = fit_plan(driver.device(), model.config, driver.weight_bytes(model), model.name,
+                        kv_bytes_per_token=driver.kv_bytes_per_token(model.config))
         driver.prepare(plan, model)
         draft_policy = None
         if draft and draft != "none":
@@ -303,6 +304,7 @@ class Engine:
     def _open_waiting(self) -> None:
         for seq in self.scheduler.open_waiting():
             seq.num_cached = seq.num_computed  # a prefix-cache hit starts past its cached blocks
+            self.driver.open_row(seq.row, seq.block_table)  # fixed until the row closes
             self.counters["prefix_queried_tokens"] += len(seq.prompt)
             self.counters["prefix_hit_tokens"] += seq.num_cached
 
@@ -407,6 +409,8 @@ class Engine:
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
         # A request that ended normally releases what it held back; a stop string was cut already.
         tail = seq.stops.flush() if reason in ("stop", "length") else ""
+        if seq.row >= 0:
+            self.driver.close_row(seq.row)
         registered = self.scheduler.release(seq)
         if registered is None:  # a recurrent family: its blocks would hold none of its state
             self.counters["prefix_skipped_releases"] += 1

@@ -22,6 +22,9 @@ class DeviceInfo:
     # The driver's products run on a multiple of this many tokens (MKL's are zero-padded to
     # it): a budget rounded up to it computes its extra tokens at no extra cost.
     token_multiple: int = 1
+    # The most bytes one buffer binding may hold (a WebGPU adapter's limit; 0: no limit).
+    max_binding_bytes: int = 0
+    adapter: str = ""  # the adapter a GPU driver chose, as it describes itself
 
 
 @dataclass(slots=True, frozen=True)
@@ -37,6 +40,7 @@ class Plan:
     # Tokens a step with no decoding row may compute: nobody's stream waits on it, so its
     # chunk may be long enough for the products to run at their full rate. 0: token_budget.
     idle_token_budget: int = 0
+    adapter: str = ""  # the device adapter the driver runs on, where it chose one
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -86,8 +90,12 @@ def idle_prefill_chunk(device: DeviceInfo, itemsize: int = 4) -> int:
     return max(prefill_chunk(device, itemsize), int(IDLE_PREFILL_SHARE * balance))
 
 
-def fit_plan(device: DeviceInfo, config, weight_bytes: int, model_name: str = "") -> Plan:
-    """Fits the plan; raises ValueError when the model cannot be served on the device at all."""
+def fit_plan(device: DeviceInfo, config, weight_bytes: int, model_name: str = "",
+             kv_bytes_per_token: int | None = None) -> Plan:
+    """Fits the plan; raises ValueError when the model cannot be served on the device at all.
+    `kv_bytes_per_token` is the driver's (its KV layout and dtype); float32 when not given.
+    A device that binds at most `max_binding_bytes` in one buffer holds each layer's KV in
+    one binding, so the pool is capped there too."""
     positions = min(int(config.max_positions), MAX_POSITIONS)
     rows = max(1, device.parallel_rows)
     multiple = max(1, device.token_multiple)
@@ -95,12 +103,15 @@ def fit_plan(device: DeviceInfo, config, weight_bytes: int, model_name: str = ""
     idle_budget = max(token_budget, -(-idle_prefill_chunk(device) // multiple) * multiple)
     if getattr(config, "recurrent", False):
         return Plan(device.backend, rows, positions, BLOCK_SIZE, 0, token_budget, model_name, state_slots=rows,
-                    idle_token_budget=idle_budget)
+                    idle_token_budget=idle_budget, adapter=device.adapter)
     free = device.memory_bytes - weight_bytes
     if free <= 0:
         raise ValueError(f"the model's weights ({weight_bytes} bytes) do not fit the device ({device.memory_bytes} bytes)")
-    block_bytes = BLOCK_SIZE * config.kv_bytes_per_token()
+    per_token = kv_bytes_per_token if kv_bytes_per_token is not None else config.kv_bytes_per_token()
+    block_bytes = BLOCK_SIZE * per_token
     affordable = int(free * KV_SHARE) // block_bytes
+    if device.max_binding_bytes:  # one layer's KV (K and V) must fit one binding
+        affordable = min(affordable, device.max_binding_bytes * config.num_layers // block_bytes)
     # No more blocks than every row at full length could use.
     needed = rows * -(-positions // BLOCK_SIZE)
     num_blocks = min(affordable, needed)
@@ -110,4 +121,4 @@ def fit_plan(device: DeviceInfo, config, weight_bytes: int, model_name: str = ""
     if positions < BLOCK_SIZE:
         raise ValueError("the device has no room for a KV cache")
     return Plan(device.backend, rows, positions, BLOCK_SIZE, num_blocks, token_budget, model_name,
-                idle_token_budget=idle_budget)
+                idle_token_budget=idle_budget, adapter=device.adapter)

@@ -9,7 +9,7 @@ import numpy as np
 from ..models import llama, mamba
 from ..plan import DeviceInfo, Plan
 from . import cpu_kernels, mkl_products
-from .base import Driver, RowWork, StepOutput
+from .base import Driver, RowWork, StepArrays, StepOutput
 
 CPU_ROWS = 32  # rows a CPU steps at far less than 32x the cost of one (weights read once)
 # Rows fed up to this many tokens attend as paged queries (each token against its row's
@@ -76,27 +76,32 @@ class NumpyDriver(Driver):
         self.kv = [np.zeros(shape, np.float32) for _ in range(model.config.num_layers)]
         self._built()
 
-    def _run(self, batch: list[RowWork]) -> StepOutput:
+    def _run(self, step: StepArrays, batch: list[RowWork]) -> StepOutput:
         if self.config.family == "mamba":
-            self.start_fresh_rows(batch)
-            logits = mamba.forward(np, self.config, self.model, batch)
+            logits = mamba.forward(np, self.config, self.model, step)
             return StepOutput(np.ascontiguousarray(logits, dtype=np.float32))
 
-        layout = self.layout(batch)
-        tokens = np.concatenate([w.tokens for w in batch]).astype(np.int64)
-        logits = llama.forward(np, self.config, self.model, self.kv, tokens, layout, kernels=self.kernels)
+        layout = self.layout(step)
+        ops = llama.KernelOps(self.config, self.kv, self.kernels) if self.kernels is not None \
+            else llama.ArrayOps(np, self.config, self.kv)
+        logits = llama.forward(ops, self.model, layout)
         if self.kernels is not None and self.kernels.specializations() != self._specializations:
             self._specializations = self.kernels.specializations()  # a kernel compiled for new types
             self._built()
         return StepOutput(np.ascontiguousarray(logits, dtype=np.float32))
 
-    def start_fresh_rows(self, batch: list[RowWork]) -> None:
-        """A recurrent family: a row opened by a new sequence starts from zero state."""
-        mamba.reset_rows(self.model, [w.row for w in batch if w.start == 0])
+    def open_row(self, row: int, block_table: list[int]) -> None:
+        super().open_row(row, block_table)
+        if self.config.family == "mamba":
+            self.start_fresh_row(row)
 
-    def layout(self, batch: list[RowWork]) -> llama.StepLayout:
+    def start_fresh_row(self, row: int) -> None:
+        """A recurrent family: a row opened by a new sequence starts from zero state."""
+        mamba.reset_rows(self.model, [row])
+
+    def layout(self, step: StepArrays) -> llama.StepLayout:
         """Where each fed token sits: positions, KV slots, and which rows attend in place.
         With the kernels, rows of up to PAGED_ROW_TOKENS tokens (decode, speculative
         verification) attend in place; without them only decode rows are paged queries."""
         paged_upto = PAGED_ROW_TOKENS if self.kernels is not None else 1
-        return llama.step_layout(batch, self.plan.block_size, paged_upto)
+        return llama.step_layout(step, self.tables, paged_upto)

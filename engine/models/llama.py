@@ -34,7 +34,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..drivers.base import RowWork
 from .base import LlamaConfig
 
 
@@ -119,7 +118,8 @@ def softmax_apply(xp, scores, values):
 
 @dataclass(slots=True)
 class StepLayout:
-    """Host-side index arrays and masks for one step, computed once and shared by every layer."""
+    """The CPU driver's view of one step, derived from the flat StepArrays once and shared by
+    every layer: which tokens attend in place and which rows go as causal chunks."""
 
     positions: np.ndarray  # (T,) rotary position of each fed token
     write_block: np.ndarray  # (T,) physical block each token's K/V goes to
@@ -134,6 +134,7 @@ class StepLayout:
     logit_idx: np.ndarray  # token indices whose logits are returned
     all_paged: bool  # every fed token is a paged query (no scatter needed)
     block_size: int
+    tokens: np.ndarray  # (T,) int64 token ids
 
 
 PREFILL_TILE = 128  # query rows per attention product in a prefill chunk
@@ -143,42 +144,32 @@ def _bias(valid: np.ndarray) -> np.ndarray:
     return np.where(valid, np.float32(0), np.float32(-np.inf)).astype(np.float32)
 
 
-def step_layout(batch: list[RowWork], block_size: int, paged_upto: int = 1) -> StepLayout:
+def step_layout(step, tables: np.ndarray, paged_upto: int = 1) -> StepLayout:
     """Rows fed at most `paged_upto` tokens become paged queries; longer rows (prefill
-    chunks) are attended chunk-wise with a causal mask."""
-    positions, write_block, write_offset, logit_idx = [], [], [], []
-    paged_idx, paged_lengths, paged_table_of, tables, prefills = [], [], [], [], []
-    offset = 0
-    for work in batch:
-        n = len(work.tokens)
-        pos = np.arange(work.start, work.start + n)
-        ctx = work.start + n
-        table = np.asarray(work.block_table[: -(-ctx // block_size)], dtype=np.int64)
-        positions.append(pos)
-        write_block.append(table[pos // block_size])
-        write_offset.append(pos % block_size)
-        if n <= paged_upto:
-            paged_idx.append(np.arange(offset, offset + n))
-            paged_lengths.append(pos + 1)
-            paged_table_of.append(np.full(n, len(tables)))
-            tables.append(table)
-        else:
-            keys = np.arange(len(table) * block_size)
-            prefills.append((offset, n, ctx, table, _bias(keys[None, :] <= pos[:, None])))
-        logit_idx.extend(range(offset + n - work.num_logits, offset + n))
-        offset += n
-    positions = np.concatenate(positions)
-    width = max((len(t) for t in tables), default=0)
-    padded = np.empty((len(tables), width), dtype=np.int64)
-    for i, t in enumerate(tables):
-        padded[i, : len(t)] = t
-        padded[i, len(t):] = t[0]  # padding: a block of the row's own, beyond its length
-    def joined(parts):
-        return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
-    paged_idx = joined(paged_idx)
-    return StepLayout(positions, np.concatenate(write_block), np.concatenate(write_offset), paged_idx, padded,
-                      joined(paged_table_of), joined(paged_lengths), prefills,
-                      np.array(logit_idx, dtype=np.int64), len(paged_idx) == offset, block_size)
+    chunks) are attended chunk-wise with a causal mask. `step` is the driver's StepArrays,
+    `tables` every open row's block table, (rows, blocks), padded with the row's first block."""
+    block_size = step.block_size
+    positions = step.positions.astype(np.int64)
+    slots = step.kv_slots.astype(np.int64)
+    counts = step.row_tokens
+    short = counts <= paged_upto
+    token_short = short[step.token_row]
+    paged_idx = np.flatnonzero(token_short)
+    paged_rows = np.flatnonzero(short)
+    width = int(-(-step.seq_lens[paged_rows].max() // block_size)) if len(paged_rows) else 0
+    padded = tables[step.row_ids[paged_rows], :width] if len(paged_rows) else np.empty((0, 0), np.int64)
+    table_of = np.cumsum(short) - 1  # each short row's index among the paged tables
+    prefills = []
+    for r in np.flatnonzero(~short):
+        first, n, ctx = int(step.row_first[r]), int(counts[r]), int(step.seq_lens[r])
+        table = tables[int(step.row_ids[r]), : -(-ctx // block_size)]
+        keys = np.arange(len(table) * block_size)
+        pos = positions[first : first + n]
+        prefills.append((first, n, ctx, table, _bias(keys[None, :] <= pos[:, None])))
+    return StepLayout(positions, slots // block_size, slots % block_size, paged_idx.astype(np.int64),
+                      np.ascontiguousarray(padded, dtype=np.int64), table_of[step.token_row[paged_idx]].astype(np.int64),
+                      positions[paged_idx] + 1, prefills, step.logit_idx.astype(np.int64),
+                      len(paged_idx) == step.num_tokens, block_size, step.tokens.astype(np.int64))
 
 
 def paged_attention_gathered(xp, q, cache, tables, lengths):
@@ -238,63 +229,123 @@ def attention(xp, q, cache, paged, prefills, kv_heads: int, kernels=None):
     return out
 
 
-def forward(xp, config: LlamaConfig, model: PreparedLlama, kv: list, tokens, layout: StepLayout,
-            kernels=None):
-    """Runs one step; writes each fed token's K/V into the paged caches (one kv_cache_shape()
-    array per layer); returns logits (len(layout.logit_idx), vocab) as float32 on the device.
-    `kernels` (the CPU driver's cpu_kernels.Kernels, or None) supplies compiled few-token
-    products and in-place paged attention; without it every operation is the array module's."""
-    heads, kvh, hd = config.num_heads, config.num_kv_heads, config.head_dim
-    q_size, kv_size = heads * hd, kvh * hd
-    inter = config.intermediate_size
-    eps = config.rms_eps
-    mm = kernels.matmul if kernels is not None else xp.matmul
-    x = xp.ascontiguousarray(model.embed[xp.asarray(tokens)].T)  # (hidden, T): feature-major
-    t = x.shape[1]
-    rope = model.rope[xp.asarray(layout.positions)][:, None, :]  # (T, 1, hd / 2)
-    blk, off = xp.asarray(layout.write_block), xp.asarray(layout.write_offset)
-    paged = None
-    if len(layout.paged_idx):
-        paged = (xp.asarray(layout.paged_idx), layout.paged_tables, layout.paged_table_of, layout.paged_lengths,
-                 layout.all_paged)
-    prefills = [(first, n, ctx, xp.asarray(blocks), xp.asarray(bias)) for first, n, ctx, blocks, bias in layout.prefills]
-    if kernels is not None:
-        return _forward_kernels(config, model, kv, x, layout, paged, prefills, kernels)
-    for layer, cache in zip(model.layers, kv, strict=True):
-        qkv = mm(layer["wqkv"], rms_scale(xp, x, eps))  # (q + 2 kv, T)
+def forward(ops, model: PreparedLlama, step):
+    """One step of the family, on any backend: `ops` supplies the operations (its device's
+    arrays, its KV layout) and `step` is whatever the backend made of the step's flat arrays.
+    Each fed token's K/V is written into the layer's cache; returns the logits of the
+    step's logit indices (or, from a backend that picks tokens, its ids).
+
+    Between the products the activations are in whichever layout the backend chose; the
+    loop only passes them along. Norm weights are folded into the next product (so
+    `rms_scale` only divides by the RMS) and the residual adds are the products' own."""
+    x = ops.embed(model, step)
+    for i, layer in enumerate(model.layers):
+        q = ops.rope_store(ops.matmul(layer["wqkv"], ops.rms_scale(x)), i, step)
+        ops.matmul_add(layer["wo"], ops.attention(q, i, step), x)
+        ops.matmul_add(layer["w_down"], ops.silu_mul(ops.matmul(layer["w_gate_up"], ops.rms_scale(x))), x)
+    return ops.logits(model, x, step)
+
+
+class ArrayOps:
+    """The operations on an array module (NumPy; CuPy has the same API). Activations are
+    feature-major, (features, tokens); attention works token-major and hands its output
+    back transposed (a view) for the next product."""
+
+    def __init__(self, xp, config: LlamaConfig, kv: list):
+        self.xp, self.config, self.kv = xp, config, kv
+
+    def embed(self, model: PreparedLlama, step: StepLayout):
+        xp = self.xp
+        self._rope = model.rope[xp.asarray(step.positions)][:, None, :]  # (T, 1, hd / 2)
+        self._blk, self._off = xp.asarray(step.write_block), xp.asarray(step.write_offset)
+        self._paged = None
+        if len(step.paged_idx):
+            self._paged = (xp.asarray(step.paged_idx), step.paged_tables, step.paged_table_of, step.paged_lengths,
+                           step.all_paged)
+        self._prefills = [(first, n, ctx, xp.asarray(blocks), xp.asarray(bias))
+                          for first, n, ctx, blocks, bias in step.prefills]
+        return xp.ascontiguousarray(model.embed[xp.asarray(step.tokens)].T)  # (hidden, T): feature-major
+
+    def rms_scale(self, x):
+        return rms_scale(self.xp, x, self.config.rms_eps)
+
+    def matmul(self, w, x):
+        return self.xp.matmul(w, x)
+
+    def matmul_add(self, w, x, out):
+        out += self.xp.matmul(w, x)
+
+    def rope_store(self, qkv, layer: int, step: StepLayout):
+        xp, c = self.xp, self.config
+        heads, kvh, hd = c.num_heads, c.num_kv_heads, c.head_dim
+        q_size, kv_size = heads * hd, kvh * hd
+        t = qkv.shape[1]
+        cache = self.kv[layer]
         qk = xp.ascontiguousarray(qkv[: q_size + kv_size].T)  # (T, q + kv): token-major for attention
-        qk.view(xp.complex64).reshape(t, heads + kvh, hd // 2)[...] *= rope  # rotary, in place
+        qk.view(xp.complex64).reshape(t, heads + kvh, hd // 2)[...] *= self._rope  # rotary, in place
         qk = qk.reshape(t, heads + kvh, hd)
-        cache[0][:, blk, off] = qk[:, heads:].transpose(1, 0, 2)
-        cache[1][:, blk, off] = qkv[q_size + kv_size :].reshape(kvh, hd, t).transpose(0, 2, 1)
-        a = attention(xp, qk[:, :heads], cache, paged, prefills, kvh, kernels)  # (T, heads * hd)
-        x += mm(layer["wo"], a.T)
-        gate_up = mm(layer["w_gate_up"], rms_scale(xp, x, eps))  # (2 inter, T)
+        cache[0][:, self._blk, self._off] = qk[:, heads:].transpose(1, 0, 2)
+        cache[1][:, self._blk, self._off] = qkv[q_size + kv_size :].reshape(kvh, hd, t).transpose(0, 2, 1)
+        return qk[:, :heads]
+
+    def attention(self, q, layer: int, step: StepLayout):
+        a = attention(self.xp, q, self.kv[layer], self._paged, self._prefills, self.config.num_kv_heads)
+        return a.T  # (heads * hd, T) for the output product
+
+    def silu_mul(self, gate_up):
+        xp = self.xp
+        inter = self.config.intermediate_size
         gate = gate_up[:inter]
         act = xp.negative(gate)
         xp.exp(act, out=act)
         act += 1.0
         xp.divide(gate, act, out=act)  # silu(gate)
         act *= gate_up[inter:]
-        x += mm(layer["w_down"], act)
-    h = rms_scale(xp, x[:, xp.asarray(layout.logit_idx)], eps) * model.norm[:, None]
-    return mm(model.lm_head, h).T
+        return act
+
+    def logits(self, model: PreparedLlama, x, step: StepLayout):
+        xp = self.xp
+        h = rms_scale(xp, x[:, xp.asarray(step.logit_idx)], self.config.rms_eps) * model.norm[:, None]
+        return xp.matmul(model.lm_head, h).T
 
 
-def _forward_kernels(config: LlamaConfig, model: PreparedLlama, kv: list, x, layout: StepLayout, paged,
-                     prefills, kernels):
-    """forward() on the CPU driver's kernels: the glue between products (norms, rotary with
-    the KV write, SiLU) is one compiled call each instead of a handful of NumPy passes
-    (most of what a one-row step spent outside its products, and a sixth of a long
-    prompt's step), split across threads when the step has many tokens."""
-    heads, kvh, eps = config.num_heads, config.num_kv_heads, config.rms_eps
-    rope = model.rope.view(np.float32)[layout.positions]  # (T, hd): cos, sin interleaved
-    mm = kernels.matmul
-    for layer, cache in zip(model.layers, kv, strict=True):
-        qkv = mm(layer["wqkv"], kernels.rms_scale(x, eps))
-        q = kernels.rope_store(qkv, rope, layout.write_block, layout.write_offset, cache, heads)
-        a = attention(np, q, cache, paged, prefills, kvh, kernels)  # (T, heads * hd)
-        kernels.matmul_add(layer["wo"], a.T, x)  # the residual adds, in place
-        kernels.matmul_add(layer["w_down"], kernels.silu_mul(mm(layer["w_gate_up"], kernels.rms_scale(x, eps))), x)
-    h = kernels.rms_scale(np.ascontiguousarray(x[:, layout.logit_idx]), eps) * model.norm[:, None]
-    return kernels.head(model.lm_head, h)  # (logits, vocab), token-major as returned
+class KernelOps(ArrayOps):
+    """The operations on the CPU driver's compiled kernels (cpu_kernels.Kernels): the glue
+    between products (norms, rotary with the KV write, SiLU) is one compiled call each
+    instead of a handful of NumPy passes (most of what a one-row step spent outside its
+    products, and a sixth of a long prompt's step), split across threads when the step has
+    many tokens; few-token products and paged attention in place are the kernels' own."""
+
+    def __init__(self, config: LlamaConfig, kv: list, kernels):
+        super().__init__(np, config, kv)
+        self.kernels = kernels
+
+    def embed(self, model: PreparedLlama, step: StepLayout):
+        self._rope_f = model.rope.view(np.float32)[step.positions]  # (T, hd): cos, sin interleaved
+        self._step = step
+        x = super().embed(model, step)
+        return x
+
+    def rms_scale(self, x):
+        return self.kernels.rms_scale(x, self.config.rms_eps)
+
+    def matmul(self, w, x):
+        return self.kernels.matmul(w, x)
+
+    def matmul_add(self, w, x, out):
+        self.kernels.matmul_add(w, x, out)  # the residual add, in place
+
+    def rope_store(self, qkv, layer: int, step: StepLayout):
+        return self.kernels.rope_store(qkv, self._rope_f, step.write_block, step.write_offset, self.kv[layer],
+                                       self.config.num_heads)
+
+    def attention(self, q, layer: int, step: StepLayout):
+        return attention(np, q, self.kv[layer], self._paged, self._prefills, self.config.num_kv_heads,
+                         self.kernels).T
+
+    def silu_mul(self, gate_up):
+        return self.kernels.silu_mul(gate_up)
+
+    def logits(self, model: PreparedLlama, x, step: StepLayout):
+        h = self.kernels.rms_scale(np.ascontiguousarray(x[:, step.logit_idx]), self.config.rms_eps) * model.norm[:, None]
+        return self.kernels.head(model.lm_head, h)  # (logits, vocab), token-major as returned

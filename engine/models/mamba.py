@@ -32,7 +32,6 @@ from pathlib import Path
 
 import numpy as np
 
-from ..drivers.base import RowWork
 from .base import LoadedModel, ModelLoadError
 
 
@@ -126,13 +125,13 @@ def reset_rows(model: PreparedMamba, rows: list[int]) -> None:
         model.ssm[:, rows] = 0
 
 
-def forward(xp, config: MambaConfig, model: PreparedMamba, batch: list[RowWork]):
-    """Runs one step over each row's state slot; returns logits (sum of num_logits, vocab).
-    Rows a new sequence opens must be reset first (reset_rows)."""
-    rows = np.array([w.row for w in batch], dtype=np.int64)
-    lengths = np.array([len(w.tokens) for w in batch], dtype=np.int64)
-    offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-    tokens = xp.asarray(np.concatenate([w.tokens for w in batch]).astype(np.int64))
+def forward(xp, config: MambaConfig, model: PreparedMamba, step):
+    """Runs one step over each row's state slot; returns logits (L, vocab). `step` is the
+    driver's StepArrays. Rows a new sequence opens must be reset first (reset_rows)."""
+    rows = step.row_ids.astype(np.int64)
+    lengths = step.row_tokens.astype(np.int64)
+    offsets = step.row_first.astype(np.int64)
+    tokens = xp.asarray(step.tokens.astype(np.int64))
     x = model.embed[tokens]
     di, ds, r = config.d_inner, config.d_state, config.dt_rank
     for i, layer in enumerate(model.layers):
@@ -146,9 +145,7 @@ def forward(xp, config: MambaConfig, model: PreparedMamba, batch: list[RowWork])
                        model.ssm[i], rows, offsets, lengths)
         y = xp.matmul(states, c[:, :, None])[:, :, 0] + xs * layer["D"]
         x = x + linear(xp, y * silu(xp, xz[:, di:]), layer["out_proj"])
-    logit_idx = np.concatenate([np.arange(o + n - w.num_logits, o + n)
-                                for w, o, n in zip(batch, offsets, lengths, strict=True)]).astype(np.int64)
-    h = rms_norm(xp, x[xp.asarray(logit_idx)], model.norm, config.rms_eps)
+    h = rms_norm(xp, x[xp.asarray(step.logit_idx.astype(np.int64))], model.norm, config.rms_eps)
     return linear(xp, h, model.lm_head).astype(xp.float32)
 
 

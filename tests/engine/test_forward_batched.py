@@ -23,6 +23,7 @@ def make_driver(cls=NumpyDriver):
 def run_alone(driver, tokens, table, chunk):
     """Prefill in chunks then return the logits after the whole prompt."""
     out = None
+    driver.open_row(0, table)
     for start in range(0, len(tokens), chunk):
         piece = tokens[start : start + chunk]
         last = start + len(piece) == len(tokens)
@@ -46,7 +47,9 @@ def tables(plan, ps, extra=4):
 
 def mixed_run(driver, ps, tabs):
     """Row 0 prefills in one chunk while the others, already prefilled, decode one token."""
+    driver.open_row(0, tabs[0])
     for i, (p, t) in enumerate(zip(ps[1:], tabs[1:], strict=True), start=1):
+        driver.open_row(i, t)
         driver.step([RowWork(i, np.array(p[:-1], np.int32), 0, t, 0)])
     batch = [RowWork(0, np.array(ps[0], np.int32), 0, tabs[0], 1)]
     batch += [RowWork(i, np.array(p[-1:], np.int32), len(p) - 1, t, 1)
@@ -116,6 +119,7 @@ def test_compiled_kernels_and_the_numpy_path_give_the_same_logits(mkl, monkeypat
     results = []
     for d in drivers:
         for i, (p, t) in enumerate(zip(ps, tabs, strict=True)):
+            d.open_row(i, t)
             d.step([RowWork(i, np.array(p[: -22 if i == 0 else -9], np.int32), 0, t, 0)])
         # 32 tokens in all: MKL's products need no padding, so the residual adds go in place.
         batch = [RowWork(0, np.array(ps[0][-22:], np.int32), len(ps[0]) - 22, tabs[0], 9),  # a chunk: causal tiles

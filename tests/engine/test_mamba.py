@@ -60,6 +60,7 @@ def make_driver(model=None, cls=NumpyDriver):
 
 def prefill(driver, row, tokens, chunk=1000):
     out = None
+    driver.open_row(row, [])  # a new sequence: the row starts from zero state
     for start in range(0, len(tokens), chunk):
         piece = tokens[start : start + chunk]
         last = start + len(piece) == len(tokens)
@@ -96,7 +97,9 @@ def test_each_row_in_a_mixed_batch_matches_its_logits_alone():
     driver, _ = make_driver()
     ps = prompts(2, 6)
     alone = [prefill(driver, 0, p) for p in ps]
+    driver.open_row(0, [])
     for i, p in enumerate(ps[1:], start=1):  # rows 1..5 prefill all but their last token
+        driver.open_row(i, [])
         driver.step([RowWork(i, np.array(p[:-1], np.int32), 0, [], 0)])
     batch = [RowWork(0, np.array(ps[0], np.int32), 0, [], 1)]
     batch += [RowWork(i, np.array(p[-1:], np.int32), len(p) - 1, [], 1) for i, p in enumerate(ps[1:], start=1)]

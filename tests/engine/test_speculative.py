@@ -31,14 +31,14 @@ class CheckingDriver(NumpyDriver):
         self.engine: Engine | None = None
         self.max_feed = 0
 
-    def _run(self, batch):
+    def _run(self, step, batch):
         reserved = {q.row: q.num_reserved_tokens for q in self.engine.scheduler.running}
         for w in batch:
             end = w.start + len(w.tokens)
             assert end <= len(w.block_table) * self.plan.block_size
             assert end <= reserved[w.row], (w.row, w.start, len(w.tokens), reserved[w.row])
             self.max_feed = max(self.max_feed, len(w.tokens) if w.num_logits == len(w.tokens) else 0)
-        return super()._run(batch)
+        return super()._run(step, batch)
 
 
 def engine_with(policy: DraftPolicy | None, seed: int = 0) -> Engine:
@@ -385,6 +385,7 @@ def test_sampled_outputs_keep_the_target_distribution():
     probe = NumpyDriver(memory_bytes=1 << 30)
     probe_engine = Engine.create(model, driver=probe)
     table = list(range(probe_engine.plan.blocks_for(len(prompt) + 8)))
+    probe.open_row(0, table)
 
     def next_p(ctx):
         from poot.engine.drivers.base import RowWork

@@ -29,6 +29,7 @@ def engine_last_logits(model, tokens: list[int]) -> np.ndarray:
     plan = fit_plan(driver.device(), model.config, 0, model.name)
     driver.prepare(plan, model)
     table = list(range(plan.blocks_for(len(tokens))))
+    driver.open_row(0, table)
     out = driver.step([RowWork(0, np.array(tokens, np.int32), 0, table, 1)])
     return np.asarray(out.logits[0], dtype=np.float64)
 

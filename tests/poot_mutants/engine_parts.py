@@ -304,18 +304,18 @@ class ReleaseStopPrefix(StopChecker):
 class RecompileOnBatchChange(NumpyDriver):
     last_rows = None
 
-    def _run(self, batch):
-        if len(batch) != self.last_rows:
+    def _run(self, step, batch):
+        if step.num_rows != self.last_rows:
             self._built()
-        self.last_rows = len(batch)
-        return super()._run(batch)
+        self.last_rows = step.num_rows
+        return super()._run(step, batch)
 
 
 class SharedPosition(NumpyDriver):
     """Every token of a step gets one shared position."""
 
-    def layout(self, batch):
-        layout = super().layout(batch)
+    def layout(self, step):
+        layout = super().layout(step)
         layout.positions = np.full_like(layout.positions, layout.positions.max())
         return layout
 
@@ -323,14 +323,16 @@ class SharedPosition(NumpyDriver):
 class NoLengthMask(NumpyDriver):
     """Decode attention reads every gathered slot of its row's table, written or not."""
 
-    def layout(self, batch):
-        layout = super().layout(batch)
+    def layout(self, step):
+        layout = super().layout(step)
         layout.paged_lengths = np.full_like(layout.paged_lengths, layout.paged_tables.shape[1] * layout.block_size)
         return layout
 
 
 class StaleRecurrentState(NumpyDriver):
-    def start_fresh_rows(self, batch):
+    """A row opened by a new sequence keeps the state its last sequence left."""
+
+    def start_fresh_row(self, row):
         pass
 
 
@@ -356,9 +358,9 @@ class BatchDependentPrecision(NumpyDriver):
     kernel picked by batch size with a lower-precision reduction would: a prompt's greedy
     output then depends on what it was batched with."""
 
-    def _run(self, batch):
-        out = super()._run(batch)
-        if len(batch) > 1:
+    def _run(self, step, batch):
+        out = super()._run(step, batch)
+        if step.num_rows > 1:
             bits = out.logits.view(np.uint32)
             bits &= np.uint32(0xFFFF0000)
         return out

@@ -1,0 +1,61 @@
+"""The backends the engine's backend-parametrized tests run on, and a driver for each.
+
+`POOT_TEST_BACKENDS` (comma-separated; default numpy,wgpu,vulkan) chooses them: `tox -e
+vulkan` sets it to vulkan alone. A backend with no adapter on this machine is skipped with
+the reason its driver gives, which says what to install.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+
+# Mesa prints a warning per process without it; lavapipe's threads fight BLAS's on a small
+# machine, so both get a fixed count unless the environment set one.
+os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
+os.environ.setdefault("LP_NUM_THREADS", "2")
+
+ALL = ("numpy", "wgpu", "vulkan")
+
+
+def selected() -> list[str]:
+    names = [b.strip() for b in os.environ.get("POOT_TEST_BACKENDS", ",".join(ALL)).split(",") if b.strip()]
+    unknown = set(names) - set(ALL)
+    if unknown:
+        raise ValueError(f"POOT_TEST_BACKENDS names unknown backends: {', '.join(sorted(unknown))}")
+    return names
+
+
+@functools.cache
+def missing(backend: str) -> str | None:
+    """Why `backend` cannot run here, or None."""
+    if backend == "numpy":
+        return None
+    from poot.engine.drivers.wgpu_driver import NoAdapter, pick_adapter
+
+    try:
+        pick_adapter(backend)
+    except NoAdapter as e:
+        return str(e)
+    return None
+
+
+def driver_factory(backend: str):
+    """A callable(memory_bytes=...) -> driver on `backend`, or a skip."""
+    reason = missing(backend)
+    if reason:
+        pytest.skip(reason)
+    if backend == "numpy":
+        from poot.engine.drivers.numpy_driver import NumpyDriver
+
+        return NumpyDriver
+    from poot.engine.drivers.wgpu_driver import WgpuDriver
+
+    return functools.partial(WgpuDriver, backend)
+
+
+def params():
+    """pytest.param per selected backend, marked with its name (`-m vulkan`)."""
+    return [pytest.param(b, id=b) for b in selected()]
