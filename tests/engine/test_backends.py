@@ -103,7 +103,7 @@ def test_the_state_machine_holds(backend):
         @initialize(memory=st.sampled_from([SMALL_DEVICE, 1 << 30]))
         def start(self, memory):
             self.engine = make_engine(memory_bytes=memory, driver_class=factory)
-            self.requests = []
+            self.setup()
 
         @invariant()
         def the_driver_knows_the_open_rows(self):
