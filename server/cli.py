@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="speculative draft policy (default: none)")
     p.add_argument("--fault-injection", action="store_true",
                    help="enable POST /debug/fault to make the engine refuse a step, fault or panic (tests only)")
+    p.add_argument("--api-key-file", metavar="PATH",
+                   help="require this file's key as a bearer token on every request but /health and /metrics "
+                        "(default: the POOT_API_KEY environment variable; no key: open to all)")
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="log level (default: info)")
     # Test-only, hidden: deliberate defects for the conformance suite's proof that checks can fail.
     p.add_argument("--mutation", action="append", default=[], help=argparse.SUPPRESS)
@@ -79,6 +82,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.draft != "none" and importlib.util.find_spec("poot.engine.speculative") is None:
         return fail(f"--draft {args.draft}: speculative decoding is not in this build "
                     "(the module poot.engine.speculative is missing)")
+    from .auth import ApiKeyError, RequireKey, read_key
+
+    try:
+        api_key = read_key(args.api_key_file)
+    except ApiKeyError as e:
+        return fail(str(e))
     try:
         loading.precheck(args.model)
     except ModelLoadError as e:
@@ -97,7 +106,10 @@ def main(argv: list[str] | None = None) -> int:
     if server_mutations or engine_mutations:
         logging.getLogger("poot.server").warning("MUTATIONS ON (deliberate defects): %s",
                                                  ", ".join(sorted(engine_mutations | server_mutations)))
-    config = uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level=args.log_level,
+    app = build_app(state)
+    if api_key:
+        app = RequireKey(app, api_key)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             lifespan="on", timeout_graceful_shutdown=5)
     server = DrainingServer(config, state)
     state.request_exit = server.exit_now

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import secrets
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -96,6 +98,10 @@ def target(pytestconfig: pytest.Config) -> Iterator[Target]:
     except (OSError, FactsError) as e:
         raise pytest.UsageError(f"facts: {e}") from e
     bundled = not url and not cmd
+    if bundled and not os.environ.get("OPENAI_API_KEY"):
+        # The bundled servers (and the private ones started from them) require a fresh key, so
+        # that api/auth/1 is judged too; the suite's clients send it.
+        os.environ["OPENAI_API_KEY"] = os.environ["POOT_API_KEY"] = secrets.token_urlsafe(24)
     command = ServerCommand(bundled_command() if bundled else cmd, timeout) if (cmd or bundled) else None
     process = None
     if command is not None:

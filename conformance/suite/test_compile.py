@@ -16,8 +16,7 @@ clause = pytest.mark.clause
 def test_batch_changes_compile_nothing(client: Client, probes: Probes, idle):
     client.complete("warm up", max_tokens=4)
     before = client.metric("engine_compiles")
-    plan = client.plan() or {}
-    rows = min(plan.get("rows") or 8, 12)
+    rows = min((client.facts.get("rows") if client.facts else None) or 8, 12)
     shapes = [(1, 20, 8), (2, 40, 16), (rows, 12, 24), (3, 300, 4), (rows // 2 + 1, 64, 40), (1, 8, 1)]
     for count, chars, max_tokens in shapes:
         with ThreadPoolExecutor(count) as pool:

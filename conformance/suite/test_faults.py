@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
-from poot.conformance.client import Client
+from poot.conformance.client import Client, auth_headers
 from poot.conformance.scenarios import Mux, Probes, RawStream, fill_rows, sse_chunks, unique_text
 
 clause = pytest.mark.clause
@@ -102,7 +102,8 @@ def kill_engine(spawn, kind: str) -> Death:
             time.sleep(0.02)
         start = time.monotonic()
         try:
-            r = httpx.post(server.url + "/v1/completions", json=client.body("after", max_tokens=4), timeout=10)
+            r = httpx.post(server.url + "/v1/completions", json=client.body("after", max_tokens=4), timeout=10,
+                           headers=auth_headers(client.api_key))
             death.after_status = r.status_code
             death.after_body = r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
         except httpx.HTTPError:
