@@ -196,11 +196,12 @@ class Facts:
                 found["token_budget"] = Fact("token_budget", LLAMACPP_DEFAULT_BATCH,
                                              "llama.cpp's default --batch-size (the command sets none)")
             found["reservation"] = Fact("reservation", "per_slot", "llama.cpp gives each slot a fixed context")
+        if "positions" not in found and models_status == 200 and isinstance(models, dict):
+            data = models.get("data") or [{}]  # vLLM's field, which poot-serve publishes too
+            if isinstance(data, list) and data and isinstance(data[0], dict) \
+                    and isinstance(data[0].get("max_model_len"), int) and data[0]["max_model_len"] > 0:
+                found["positions"] = Fact("positions", data[0]["max_model_len"], "/v1/models max_model_len")
         if kind == "vllm":
-            if models_status == 200 and isinstance(models, dict):
-                data = models.get("data") or [{}]
-                if isinstance(data[0].get("max_model_len"), int):
-                    found["positions"] = Fact("positions", data[0]["max_model_len"], "/v1/models max_model_len")
             info = facts._vllm_cache_info(http)
             if isinstance(info.get("block_size"), str) and info["block_size"].isdigit():
                 found["block_size"] = Fact("block_size", int(info["block_size"]),

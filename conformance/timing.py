@@ -17,7 +17,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from .client import Client
+from .client import Client, ServerError
 from .outcomes import NotSupported
 from .scenarios import Mux, Probes, RawStream, unique_text
 
@@ -100,6 +100,10 @@ def release_on_hang_up(client: Client, probes: Probes, rows: int, max_tokens: in
     try:
         mux = Mux(fillers)
         mux.run(until=lambda m: all(s.first_data is not None for s in m.streams), timeout=60)
+        refused = [s.request.status for s in fillers if s.first_data is None]
+        if refused:
+            raise ServerError(f"{len(refused)} of {rows} streams of {max_tokens} tokens were not served "
+                              f"(status {refused[0]}): {fillers[0].body[:200]!r}")
         waiter = RawStream.open(client, unique_text(16), **probes.long_params(8))
         watch = Mux(fillers + [waiter])
         first = fillers[0]

@@ -89,9 +89,9 @@ def closed_stream_frees_its_row_by_timing(target, client: Client, probes: Probes
     if seen.left < 3 * allowed:
         raise NotSupported(f"a stream of {max_tokens} tokens had {seen.left:.2f} s left at the hang-up, too short beside "
                            f"the {allowed:.2f} s allowed to tell a release from its end")
+    waited = "never" if seen.waited is None else f"{seen.waited:.2f} s"
     assert seen.waited is not None and seen.waited <= allowed, \
-        (f"with all {rows} rows taken, a queued request started {seen.waited if seen.waited is not None else 'never'}"
-         f"{' s' if seen.waited is not None else ''} after a running stream hung up (allowed {allowed:.2f} s, "
+        (f"with all {rows} rows taken, a queued request started {waited} after a running stream hung up (allowed {allowed:.2f} s, "
          f"{target.step_slack + 4} token gaps of {seen.gap * 1000:.1f} ms; the stream had {seen.left:.2f} s left)")
 
 
