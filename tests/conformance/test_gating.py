@@ -124,6 +124,14 @@ def test_the_api_key_is_sent_and_never_shown(url, tmp_path):
     assert unkeyed.returncode == 1 and outcomes == {"api/models/1": "failed", "api/auth/1": "not_supported"}
 
 
+def test_auth_clause_fails_on_a_server_that_takes_any_request(url, tmp_path):
+    """api/auth/1's broken variant: a server that takes unkeyed requests though a key was given."""
+    report = tmp_path / "r.json"
+    cli("--base-url", url, "api/auth", "--api-key", KEY, "--json", str(report))
+    clause = json.loads(report.read_text())["clauses"][0]
+    assert clause["outcome"] == "failed" and "expected 401" in clause["why"], clause
+
+
 NO_NUMPY = """
 import sys
 from poot.conformance.cli import main
