@@ -166,5 +166,7 @@ def spawn(target: Target) -> Iterator[Callable[..., ServerProcess]]:
 
 @pytest.fixture
 def idle(client: Client):
-    """The shared server idle (no request in flight), as a metrics snapshot."""
-    return client.wait_idle()
+    """The shared server idle (no request in flight), as a metrics snapshot. The wait is long:
+    a server that did not notice an earlier test's hang-up runs that request to its end first,
+    and that is the earlier clause's failure, not this one's."""
+    return client.wait_idle(timeout=180)
