@@ -59,9 +59,10 @@ def fail(message: str, code: int = 2) -> int:
 
 
 def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None,
-         state_class=None, app_factory=None) -> int:
-    """Runs the server. `parser`, `state_class` (a ServerState) and `app_factory` (state -> ASGI
-    app) are the parts it is built from; by default this module's parser and the app's own."""
+         state_class=None, app_factory=None, key_guard=None) -> int:
+    """Runs the server. `parser`, `state_class` (a ServerState), `app_factory` (state -> ASGI
+    app) and `key_guard` (a RequireKey, put around the app when a key is set) are the parts it
+    is built from; by default this module's parser and the app's and auth's own."""
     parser = parser or build_parser()
     args = parser.parse_args(argv)  # an unknown option exits 2, before anything loads
 
@@ -96,7 +97,7 @@ def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None =
                                          fault_injection=args.fault_injection, step_delay=args.step_delay)
     app = (app_factory or build_app)(state)
     if api_key:
-        app = RequireKey(app, api_key)
+        app = (key_guard or RequireKey)(app, api_key)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             lifespan="on", timeout_graceful_shutdown=5)
     server = DrainingServer(config, state)

@@ -6,7 +6,8 @@ clause it runs: its `scope` (clause id prefixes; by default the area of `breaks`
 `control`, a clause the defect leaves alone, so a variant that cannot even start fails the
 proof instead of proving its clause. `parts` says how it is built: for each part of the
 server (engine, scheduler, prefix_cache, stop_checker, random_stream, driver, state,
-middleware, parser), the subclass or wrapper that replaces the reference one.
+middleware, parser, key_guard), the subclass or wrapper that replaces the reference one. A
+`keyed` variant is started with an API key (and the suite given it), as the bundled run is.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class Mutant:
     control: str = CONTROL  # a clause that must pass: the variant started and serves
     recurrent: bool = False  # needs a recurrent-state model too
     speculative: bool = False  # needs speculative decoding too (--draft ngram)
+    keyed: bool = False  # started with an API key, which the suite is given
 
     @property
     def prefixes(self) -> tuple[str, ...]:
@@ -237,6 +239,9 @@ MUTANTS: tuple[Mutant, ...] = (
       "after a prefix-cache hit, the prompt is fed again from its start at the positions after the cached blocks",
       "!= warm", {"scheduler": e.PrefixHitRefeedsPrompt},
       also=("determinism/batch/1", "determinism/seed/1"), scope=("determinism",)),
+    M("any_bearer_key", "api/auth/1",
+      "a keyed server takes any bearer token, not only its key", "with a wrong key answered 200, expected 401",
+      {"key_guard": h.AnyBearerKey}, scope=("api/auth",), keyed=True),
 )
 
 # Not a defect of any clause: a variant that cannot start, for the test that shows such a
@@ -246,4 +251,4 @@ CRASH_AT_START = M("crash_at_start", "api/models/1", "the engine cannot be built
 
 BY_NAME = {m.name: m for m in (*MUTANTS, CRASH_AT_START)}
 PARTS = ("engine", "scheduler", "prefix_cache", "stop_checker", "random_stream", "driver", "state", "middleware",
-         "parser")
+         "parser", "key_guard")

@@ -15,6 +15,7 @@ import sys
 from poot.engine import Engine
 from poot.server import cli
 from poot.server.app import build_app
+from poot.server.auth import RequireKey
 from poot.server.state import ServerState, slowed
 
 from .registry import BY_NAME, PARTS
@@ -104,7 +105,9 @@ def main(argv: list[str] | None = None, outer=None) -> int:
         return 2
     parser = cli.build_parser(combined(argparse.ArgumentParser, parts["parser"]))
     logging.getLogger("poot.server").warning("deliberate defects on: %s", ", ".join(names) or "none")
-    return cli.main(rest, parser=parser, state_class=state_class(parts), app_factory=app_factory(parts, outer))
+    key_guard = combined(RequireKey, parts["key_guard"]) if parts["key_guard"] else None
+    return cli.main(rest, parser=parser, state_class=state_class(parts), app_factory=app_factory(parts, outer),
+                    key_guard=key_guard)
 
 
 if __name__ == "__main__":
