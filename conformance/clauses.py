@@ -15,7 +15,7 @@ SUITE_DIR = Path(__file__).parent / "suite"
 
 LEVELS = ("MUST", "SHOULD")
 PROFILES = ("core", "metrics", "faults", "startup", "prefix", "determinism", "speculative", "sampling")
-NEEDS = ("metrics", "plan", "fault-injection", "server-command", "recurrent-model", "speculative-server")
+NEEDS = ("metrics", "plan", "fault-injection", "server-command", "recurrent-model", "speculative-server", "api-key")
 ID_PATTERN = re.compile(r"^[a-z]+(/[a-z0-9-]+)*/[0-9]+$")
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
 from dataclasses import dataclass, field
@@ -13,6 +14,15 @@ import httpx
 
 from .metrics import MetricsFormatError, Snapshot, parse_prometheus
 from .outcomes import NotSupported
+
+
+def api_key_from_env() -> str | None:
+    """The bearer token to send: poot-conformance's --api-key lands here, else the user's own."""
+    return os.environ.get("OPENAI_API_KEY") or None
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    return {"authorization": f"Bearer {api_key}"} if api_key else {}
 
 
 class ServerError(AssertionError):
@@ -71,13 +81,18 @@ class Client:
     """A synchronous client for one server. Safe to share between threads (httpx pools)."""
 
     def __init__(self, base_url: str, *, model: str | None = None, dialect: str = "poot",
-                 timeout: float = 60.0):
+                 timeout: float = 60.0, api_key: str | None = None, facts=None):
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
         self.dialect = dialect
         self._model = model
-        self.http = httpx.Client(base_url=self.base_url, timeout=timeout)
+        self.api_key = api_key if api_key is not None else api_key_from_env()
+        self.http = httpx.Client(base_url=self.base_url, timeout=timeout, headers=auth_headers(self.api_key))
         self._metrics_ok: bool | None = None
+        self.facts = facts  # poot.conformance.facts.Facts of this server, when discovered
+
+    def __repr__(self) -> str:  # never shows the key
+        return f"Client({self.base_url!r})"
 
     def close(self) -> None:
         self.http.close()
@@ -129,7 +144,8 @@ class Client:
         """A streamed request read to its end (or closed after `stop_after` chunks)."""
         body = body if body is not None else self.body(prompt, stream=True, **params)
         out = Stream(status=0, content_type="", started=time.monotonic())
-        with httpx.Client(base_url=self.base_url, timeout=self.timeout) as one_off, \
+        with httpx.Client(base_url=self.base_url, timeout=self.timeout,
+                          headers=auth_headers(self.api_key)) as one_off, \
                 one_off.stream("POST", path, json=body) as r:
             out.status, out.content_type = r.status_code, r.headers.get("content-type", "")
             if r.status_code != 200:
@@ -182,7 +198,15 @@ class Client:
         plan = body.get("plan") if status == 200 else None
         return plan if isinstance(plan, dict) else None
 
+    def need(self, *names: str) -> dict:
+        """The facts a clause needs (see poot.conformance.facts); NotSupported naming the missing."""
+        return self.need_plan(*names)
+
     def need_plan(self, *keys: str) -> dict:
+        """The facts named by `keys` (rows, positions, block_size, token_budget, ...), through
+        the facts layer when this client has one, else from the /health plan."""
+        if self.facts is not None:
+            return self.facts.need(*keys)
         plan = self.plan()
         if plan is None or any(not isinstance(plan.get(k), int) for k in keys):
             raise NotSupported(f"/health publishes no plan with {', '.join(keys) or 'fields'}")
@@ -234,7 +258,11 @@ class Client:
             snap = self.metrics()
         return snap
 
-    def wait_idle(self, timeout: float = 15.0) -> Snapshot:
+    def wait_idle(self, timeout: float = 15.0) -> Snapshot | None:
+        """Waits until nothing runs, waits or holds blocks; None at once for a server whose
+        /metrics has no running gauge (a clause that needs one says so itself)."""
+        if self.facts is not None and not self.facts.has("running"):
+            return None
         return self.wait_until(
             lambda s: s.get("engine_requests_running", 0) == 0 and s.get("engine_requests_waiting", 0) == 0
             and s.get("kv_blocks_reserved", 0) == 0, timeout, "the server to go idle "
@@ -244,12 +272,14 @@ class Client:
 class RawRequest:
     """A request over a bare socket, so a test can hang up at the moment it chooses."""
 
-    def __init__(self, base_url: str, path: str, body: dict, timeout: float = 30.0):
+    def __init__(self, base_url: str, path: str, body: dict, timeout: float = 30.0, api_key: str | None = None):
         parts = urlsplit(base_url)
         self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
         payload = json.dumps(body).encode()
+        api_key = api_key if api_key is not None else api_key_from_env()
+        auth = f"Authorization: Bearer {api_key}\r\n" if api_key else ""
         head = (f"POST {parts.path.rstrip('/')}{path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
-                f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n{auth}"
                 "Connection: close\r\n\r\n").encode()
         self.sock = socket.create_connection((self.host, self.port), timeout=timeout)
         self.sock.sendall(head + payload)

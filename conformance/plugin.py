@@ -15,7 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from . import expectations
 from .clauses import PROFILES, SUITE_DIR, Spec, load_spec
+from .client import api_key_from_env
+from .facts import FACTS_KEY
 from .outcomes import NotSupported, Outcome, worst
 from .report import ClauseResult, RunReport, to_json, to_junit, to_markdown, to_terminal
 
@@ -55,14 +58,18 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     g.addoption("--poot-json", help="write the JSON report here")
     g.addoption("--poot-junit", help="write the JUnit XML report here")
     g.addoption("--poot-markdown", help="write the Markdown matrix here")
-    g.addoption("--poot-metrics-dialect", default="poot", choices=("poot", "vllm", "llamacpp"),
-                help="metric names the server uses")
+    g.addoption("--poot-metrics-dialect", default="auto", choices=("auto", "poot", "vllm", "llamacpp"),
+                help="metric names the server uses (default auto: from the server's kind)")
+    g.addoption("--poot-facts", help="a facts file (JSON or YAML: fact name -> value) for what the server does not publish")
+    g.addoption("--poot-fact", action="append", default=[], metavar="NAME=VALUE", help="one fact (repeatable)")
     g.addoption("--poot-step-slack", type=int, default=4,
                 help="engine steps allowed between a hang-up being noticeable and its release (default 4: the step in flight and the next, plus two for the polls that see it)")
     g.addoption("--poot-recurrent-server-cmd", help="command that starts the server with a recurrent-state model")
     g.addoption("--poot-speculative-server-cmd", help="command that starts the server with speculative decoding")
     g.addoption("--poot-examples", type=int, default=25, help="examples per property test")
     g.addoption("--poot-startup-timeout", type=float, default=60.0, help="seconds to wait for /health 200")
+    g.addoption("--poot-expectations", help="expectations file: the run succeeds when every result matches it")
+    g.addoption("--poot-write-expectations", help="write the run's results here as an expectations baseline")
     g.addoption("--poot-report", action="store_true", help="print the per-clause listing (on by default in poot-conformance)")
 
 
@@ -183,18 +190,40 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         runs = [state.results[n] for n in tests]
         outcome = worst([r.outcome for r in runs])
         why = "; ".join(dict.fromkeys(r.why for r in runs if r.outcome is outcome and r.why))
-        results.append(ClauseResult(clause, outcome, why, tests, sum(r.duration for r in runs)))
+        results.append(ClauseResult(clause, outcome, redact(why), tests, sum(r.duration for r in runs)))
     target = (config.getoption("poot_base_url") or config.getoption("poot_server_cmd")
               or "bundled reference server")
-    state.report = RunReport(results, target=target, profiles=profiles_of(config),
+    facts = config.stash.get(FACTS_KEY, None)
+    state.report = RunReport(results, target=redact(target), profiles=profiles_of(config),
                              strict=config.getoption("poot_strict"),
-                             duration=time.monotonic() - state.started)
+                             duration=time.monotonic() - state.started,
+                             facts=facts.report() if facts is not None else {})
+    if path := config.getoption("poot_expectations"):
+        try:
+            expected = expectations.load(path)
+        except expectations.ExpectationsError as e:
+            raise pytest.UsageError(str(e)) from e
+        state.report.expectations = expectations.judge(state.report, expected, path)
+    if path := config.getoption("poot_write_expectations"):
+        keep = expectations.load(path) if Path(path).exists() else {}
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(expectations.dump(state.report, keep))
     for option, render in (("poot_json", to_json), ("poot_junit", to_junit), ("poot_markdown", to_markdown)):
         if path := config.getoption(option):
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             Path(path).write_text(render(state.report))
-    if state.report.result == "failure" and session.exitstatus == 0:
+    verdict = state.report.expectations
+    if verdict is not None:  # held to expectations: known failures are fine, any change is not
+        if session.exitstatus in (0, 1):
+            session.exitstatus = 0 if verdict.ok else 1
+    elif state.report.result == "failure" and session.exitstatus == 0:
         session.exitstatus = 1
+
+
+def redact(text: str) -> str:
+    """The API key never reaches a report or the terminal."""
+    key = api_key_from_env()
+    return text.replace(key, "***") if key and text else text
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:

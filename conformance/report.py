@@ -31,6 +31,8 @@ class RunReport:
     strict: bool = False
     started: float = field(default_factory=time.time)
     duration: float = 0.0
+    facts: dict[str, dict] = field(default_factory=dict)  # name -> {"value", "source"}: facts tests used
+    expectations: object | None = None  # expectations.Verdict when the run was held to a file
 
     def count(self, outcome: Outcome) -> int:
         return sum(r.outcome is outcome for r in self.results)
@@ -77,6 +79,12 @@ def to_terminal(report: RunReport) -> str:
             lines.append(f"    observed:    {_one_line(r.why, 1200)}")
             lines.append(f"    tests:       {', '.join(r.tests)}")
             lines.append("")
+    if report.facts:
+        lines += ["", "Facts used:"]
+        lines += [f"  {name} = {f['value']}  ({f['source']})" if f["value"] is not None
+                  else f"  {name}: not had ({f['source']})" for name, f in report.facts.items()]
+    if report.expectations is not None:
+        lines += ["", report.expectations.describe()]
     lines += ["", report.summary_line()]
     return "\n".join(lines)
 
@@ -90,6 +98,7 @@ def to_json(report: RunReport) -> str:
         "started": report.started,
         "duration_s": round(report.duration, 3),
         "summary": report.summary(),
+        "facts": report.facts,
         "clauses": [{**{k: v for k, v in asdict(r.clause).items() if k != "area_title"},
                      "needs": list(r.clause.needs), "outcome": r.outcome.value, "why": r.why,
                      "tests": r.tests, "duration_s": round(r.duration, 3)} for r in report.results],
@@ -138,5 +147,9 @@ def to_markdown(report: RunReport) -> str:
     for r in report.results:
         lines.append(f"| `{r.clause.id}` | {_md(r.clause.title)} | {r.clause.level} | {r.clause.profile} "
                      f"| {r.outcome.value.replace('_', ' ')} | {_md(r.why)} |")
+    if report.facts:
+        lines += ["", "| fact | value | source |", "|---|---|---|"]
+        lines += [f"| {name} | {'-' if f['value'] is None else f['value']} | {_md(f['source'])} |"
+                  for name, f in report.facts.items()]
     lines += ["", report.summary_line(), ""]
     return "\n".join(lines)

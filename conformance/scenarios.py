@@ -84,7 +84,7 @@ class RawStream:
     @classmethod
     def open(cls, client: Client, prompt: Any, **params: Any) -> RawStream:
         body = client.body(prompt, stream=True, **params)
-        return cls(RawRequest(client.base_url, "/v1/completions", body))
+        return cls(RawRequest(client.base_url, "/v1/completions", body, api_key=client.api_key))
 
     @property
     def body(self) -> bytes:

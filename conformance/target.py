@@ -21,6 +21,8 @@ from pathlib import Path
 
 import httpx
 
+from .client import api_key_from_env, auth_headers
+
 BUNDLED_MODEL = "synthetic"
 BUNDLED_RECURRENT_MODEL = "synthetic-mamba"  # engine.models: a tiny seeded Mamba (recurrent state)
 
@@ -66,19 +68,26 @@ class ServerProcess:
         return "\n".join(text[-lines:])
 
     def wait_healthy(self, timeout: float) -> None:
+        """Until /health answers 200; a server with no /health (404) is ready once /v1/models answers 200."""
         deadline = time.monotonic() + timeout
+        headers = auth_headers(api_key_from_env())
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise ServerStartError(f"server exited with status {self.proc.returncode} before "
                                        f"/health answered 200:\n{self.log_tail()}")
             try:
-                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
+                status = httpx.get(self.url + "/health", timeout=2.0, headers=headers).status_code
+                if status == 200:
+                    return
+                if status == 404 and httpx.get(self.url + "/v1/models", timeout=2.0,
+                                               headers=headers).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(0.05)
         self.stop()
-        raise ServerStartError(f"/health did not answer 200 within {timeout:.0f}s:\n{self.log_tail()}")
+        raise ServerStartError(f"neither /health nor (where /health answers 404) /v1/models answered 200 within "
+                               f"{timeout:.0f}s:\n{self.log_tail()}")
 
     def signal(self, sig: int = signal.SIGTERM, group: bool = False) -> None:
         """Signals the server (a plain command is exec'd, so that is the server itself), or its

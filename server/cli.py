@@ -41,6 +41,9 @@ def build_parser(cls: type[argparse.ArgumentParser] = argparse.ArgumentParser) -
                    help="speculative draft policy (default: none)")
     p.add_argument("--fault-injection", action="store_true",
                    help="enable POST /debug/fault to make the engine refuse a step, fault or panic (tests only)")
+    p.add_argument("--api-key-file", metavar="PATH",
+                   help="require this file's key as a bearer token on every request but /health and /metrics "
+                        "(default: the POOT_API_KEY environment variable; no key: open to all)")
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="log level (default: info)")
     # Test-only, hidden: sleep this many seconds before each driver step, so that steps of the
     # tiny synthetic model last long enough to be watched (cancellation, draining, faults). It
@@ -56,9 +59,10 @@ def fail(message: str, code: int = 2) -> int:
 
 
 def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None,
-         state_class=None, app_factory=None) -> int:
-    """Runs the server. `parser`, `state_class` (a ServerState) and `app_factory` (state -> ASGI
-    app) are the parts it is built from; by default this module's parser and the app's own."""
+         state_class=None, app_factory=None, key_guard=None) -> int:
+    """Runs the server. `parser`, `state_class` (a ServerState), `app_factory` (state -> ASGI
+    app) and `key_guard` (a RequireKey, put around the app when a key is set) are the parts it
+    is built from; by default this module's parser and the app's and auth's own."""
     parser = parser or build_parser()
     args = parser.parse_args(argv)  # an unknown option exits 2, before anything loads
 
@@ -70,6 +74,12 @@ def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None =
     if args.draft != "none" and importlib.util.find_spec("poot.engine.speculative") is None:
         return fail(f"--draft {args.draft}: speculative decoding is not in this build "
                     "(the module poot.engine.speculative is missing)")
+    from .auth import ApiKeyError, RequireKey, read_key
+
+    try:
+        api_key = read_key(args.api_key_file)
+    except ApiKeyError as e:
+        return fail(str(e))
     try:
         loading.precheck(args.model)
     except ModelLoadError as e:
@@ -85,7 +95,10 @@ def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None =
     state = (state_class or ServerState)(model_spec=args.model, backend=args.backend,
                                          draft=None if args.draft == "none" else args.draft,
                                          fault_injection=args.fault_injection, step_delay=args.step_delay)
-    config = uvicorn.Config((app_factory or build_app)(state), host=args.host, port=args.port, log_level=args.log_level,
+    app = (app_factory or build_app)(state)
+    if api_key:
+        app = (key_guard or RequireKey)(app, api_key)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             lifespan="on", timeout_graceful_shutdown=5)
     server = DrainingServer(config, state)
     state.request_exit = server.exit_now

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import secrets
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+import httpx
 import pytest
 
 from poot.conformance.client import Client
+from poot.conformance.facts import FACTS_KEY, Facts, FactsError, read_given
 from poot.conformance.outcomes import NotSupported
-from poot.conformance.scenarios import Probes
+from poot.conformance.scenarios import Probes, unique_text
 from poot.conformance.target import (
     BUNDLED_MODEL,
     BUNDLED_RECURRENT_MODEL,
@@ -25,6 +29,7 @@ class Target:
     """The server under test, and how to start more of it when the suite may."""
 
     client: Client
+    facts: Facts
     command: ServerCommand | None  # None: only a URL was given
     bundled: bool
     options: pytest.Config
@@ -69,7 +74,7 @@ class Target:
             if given:
                 return AssertionError(f"the {name} server did not start: {e}")
             return NotSupported(f"the bundled server has no {name} variant: {str(e).splitlines()[0]}")
-        return process, Client(process.url, dialect=self.client.dialect)
+        return process, Client(process.url, dialect=self.client.dialect, api_key=self.client.api_key)
 
     def close(self) -> None:
         for got in self._extra.values():
@@ -88,7 +93,15 @@ def target(pytestconfig: pytest.Config) -> Iterator[Target]:
     timeout = pytestconfig.getoption("poot_startup_timeout")
     dialect = pytestconfig.getoption("poot_metrics_dialect")
     model = pytestconfig.getoption("poot_model")
+    try:
+        given = read_given(pytestconfig.getoption("poot_facts"), pytestconfig.getoption("poot_fact"))
+    except (OSError, FactsError) as e:
+        raise pytest.UsageError(f"facts: {e}") from e
     bundled = not url and not cmd
+    if bundled and not os.environ.get("OPENAI_API_KEY"):
+        # The bundled servers (and the private ones started from them) require a fresh key, so
+        # that api/auth/1 is judged too; the suite's clients send it.
+        os.environ["OPENAI_API_KEY"] = os.environ["POOT_API_KEY"] = secrets.token_urlsafe(24)
     command = ServerCommand(bundled_command() if bundled else cmd, timeout) if (cmd or bundled) else None
     process = None
     if command is not None:
@@ -98,9 +111,26 @@ def target(pytestconfig: pytest.Config) -> Iterator[Target]:
         process.wait_healthy(timeout)
         if url is None:
             url = process.url
-    t = Target(Client(url, model=model, dialect=dialect), command, bundled, pytestconfig, process)
+    client = Client(url, model=model)
+    facts = Facts.discover(client.http, given=given, dialect=dialect, command=command.template if command else None)
+    pytestconfig.stash[FACTS_KEY] = facts
+    client.dialect, client.facts = facts.dialect, facts
+    try:
+        facts.learn_metrics(client.metrics())
+    except (NotSupported, AssertionError):
+        pass  # no /metrics: clauses that need one of its facts say so
+    try:
+        facts.learn_answer(client.complete(unique_text(12), max_tokens=1))
+    except (AssertionError, httpx.HTTPError, ValueError, KeyError, TypeError):
+        pass  # the api/* clauses say what is wrong with the answers
+    t = Target(client, facts, command, bundled, pytestconfig, process)
     yield t
     t.close()
+
+
+@pytest.fixture(scope="session")
+def facts(target: Target) -> Facts:
+    return target.facts
 
 
 @pytest.fixture(scope="session")
@@ -109,8 +139,13 @@ def client(target: Target) -> Client:
 
 
 @pytest.fixture(scope="session")
-def probes(client: Client) -> Probes:
-    return Probes(client)
+def probes(client: Client, facts: Facts) -> Probes:
+    probes = Probes(client)
+    if "rows" not in facts.known:
+        from poot.conformance.timing import measure_rows
+
+        facts.measure_with("rows", lambda: measure_rows(client, probes))
+    return probes
 
 
 @pytest.fixture
@@ -131,5 +166,7 @@ def spawn(target: Target) -> Iterator[Callable[..., ServerProcess]]:
 
 @pytest.fixture
 def idle(client: Client):
-    """The shared server idle (no request in flight), as a metrics snapshot."""
-    return client.wait_idle()
+    """The shared server idle (no request in flight), as a metrics snapshot. The wait is long:
+    a server that did not notice an earlier test's hang-up runs that request to its end first,
+    and that is the earlier clause's failure, not this one's."""
+    return client.wait_idle(timeout=180)

@@ -8,6 +8,7 @@ import httpx
 import pytest
 
 from poot.conformance.client import Client
+from poot.conformance.outcomes import NotSupported
 
 clause = pytest.mark.clause
 
@@ -234,17 +235,17 @@ def test_errors_name_the_parameter(client: Client):
 
 @clause("api/errors/4")
 def test_request_beyond_context_gets_400(client: Client):
-    plan = client.plan() or {}
+    plan = {"positions": client.facts.get("positions") if client.facts else (client.plan() or {}).get("positions")}
     too_many = (plan.get("positions") or 10**6) * 4
     for path, body in (("/v1/completions", client.body("hello", max_tokens=too_many)),
                        ("/v1/chat/completions", {"model": client.model, "max_tokens": too_many,
                                                  "messages": [{"role": "user", "content": "hello"}]})):
-        r = httpx.post(client.base_url + path, json=body, timeout=10.0)
+        r = client.http.post(path, json=body, timeout=10.0)
         assert r.status_code == 400, f"max_tokens={too_many} on {path} answered {r.status_code}, expected 400"
         error_object(r)
     if plan.get("positions"):
         long_prompt = "x " * (plan["positions"] * 2)
-        r = httpx.post(client.base_url + "/v1/completions", json=client.body(long_prompt, max_tokens=1), timeout=10.0)
+        r = client.http.post("/v1/completions", json=client.body(long_prompt, max_tokens=1), timeout=10.0)
         assert r.status_code == 400, f"a prompt of {plan['positions'] * 2}+ tokens answered {r.status_code}, expected 400"
 
 
@@ -258,3 +259,15 @@ def test_unknown_path_gets_404(client: Client):
 def test_token_id_prompt_is_accepted(client: Client):
     body = client.complete([72, 101, 108, 108, 111], max_tokens=4, temperature=0)
     assert body["usage"]["prompt_tokens"] >= 5, f"prompt_tokens is {body['usage']['prompt_tokens']}"
+
+
+@clause("api/auth/1")
+def test_keyed_server_refuses_requests_without_its_key(client: Client):
+    if not client.api_key:
+        raise NotSupported("needs the server's API key (--api-key or OPENAI_API_KEY) to tell a refusal from an outage")
+    body = client.body("hello", max_tokens=2)
+    for what, headers in (("no key", {}), ("a wrong key", {"authorization": "Bearer not-" + "x" * 12})):
+        r = httpx.post(client.base_url + "/v1/completions", json=body, headers=headers, timeout=10.0)
+        assert r.status_code == 401, f"a completion request with {what} answered {r.status_code}, expected 401"
+        error_object(r)
+    client.complete("hello", max_tokens=2)  # and with the key it is served

@@ -16,7 +16,7 @@ clause = pytest.mark.clause
 def test_batch_changes_compile_nothing(client: Client, probes: Probes, idle):
     """Batches of every size up to the plan's full row capacity: a server that builds an
     entry per batch-size bucket, lazily, compiles when a bucket is first used."""
-    rows = client.need_plan("rows")["rows"]
+    rows = client.need("rows")["rows"]
     client.complete("warm up", max_tokens=4)
     before = client.metric("engine_compiles")
     shapes = [(1, 20, 8), (2, 40, 16), (3, 300, 4), (rows // 2 + 1, 64, 40), (1, 8, 1)]

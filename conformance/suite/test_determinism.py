@@ -17,7 +17,7 @@ def test_greedy_output_does_not_depend_on_load(client: Client, probes: Probes):
     """Long greedy outputs, alone and then among enough other requests to fill the plan's
     rows: kernels whose numerics change with the batch (another reduction order or precision
     per batch size) show up only over many tokens and large batches."""
-    rows = (client.plan() or {}).get("rows") or 16
+    rows = (client.facts.get("rows") if client.facts is not None else None) or 16
     prompts = [unique_text(n) for n in (12, 30, 70, 110, 150, 20)]
     alone = [client.complete(p, **probes.long_params(96))["choices"][0]["text"] for p in prompts]
     noise = [unique_text(5 + 37 * i % 200) for i in range(max(8, rows - len(prompts)))]

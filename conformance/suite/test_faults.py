@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
-from poot.conformance.client import Client
+from poot.conformance.client import Client, auth_headers
 from poot.conformance.outcomes import NotSupported
 from poot.conformance.scenarios import Mux, Probes, RawStream, fill_rows, sse_chunks, unique_text
 
@@ -109,7 +109,8 @@ def kill_engine(spawn, kind: str) -> Death:
         death.held_after = held(client) if before is not None else None
         start = time.monotonic()
         try:
-            r = httpx.post(server.url + "/v1/completions", json=client.body("after", max_tokens=4), timeout=10)
+            r = httpx.post(server.url + "/v1/completions", json=client.body("after", max_tokens=4), timeout=10,
+                           headers=auth_headers(client.api_key))
             death.after_status = r.status_code
             death.after_body = r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
         except httpx.HTTPError:

@@ -9,7 +9,9 @@ from dataclasses import dataclass
 
 import pytest
 
+from poot.conformance import timing
 from poot.conformance.client import Client
+from poot.conformance.facts import Facts
 from poot.conformance.outcomes import NotSupported
 from poot.conformance.scenarios import Mux, Probes, RawStream, fill_rows, rows_and_positions, unique_text
 
@@ -17,7 +19,9 @@ clause = pytest.mark.clause
 
 
 @clause("loop/batching/1")
-def test_concurrent_requests_share_steps(client: Client, probes: Probes, idle):
+def test_concurrent_requests_share_steps(client: Client, probes: Probes, facts: Facts, idle):
+    if not facts.has("steps"):
+        return shared_steps_by_timing(client, probes, facts)
     k, n = 4, 64
     before = client.metric("engine_steps_total")
     # Raw streams, sent back to back: a client thread pool on a busy machine can stagger its
@@ -35,9 +39,21 @@ def test_concurrent_requests_share_steps(client: Client, probes: Probes, idle):
         f"{k} concurrent requests of {n} tokens ({tokens} in all) took {steps:.0f} steps; batched they need about {n}"
 
 
+def shared_steps_by_timing(client: Client, probes: Probes, facts: Facts) -> None:
+    """No step counter: K requests at once take about as long as one when they share steps,
+    and about K times as long when the server runs one at a time."""
+    k = 4
+    n = min(128, (facts.get("positions") or 4096) - 40)
+    seen = timing.shared_steps(client, probes, k=k, n=n)
+    assert seen.ratio < k / 2, \
+        (f"{k} concurrent requests of {n} tokens took {seen.together:.2f} s, {seen.ratio:.1f} times one alone "
+         f"({seen.alone:.2f} s); sharing steps they take about as long as one, one at a time {k} times as long")
+
+
 def staggered_fill(client: Client, probes: Probes, first: int, gap: int, staggered: int = 3):
     """Every row taken; the first `staggered` fillers end `gap` tokens apart, the rest much later."""
     rows, positions = rows_and_positions(client)
+    client.need("running", "waiting")
     longest = positions - 40
     assert first + gap * staggered + 64 <= longest, f"plan positions {positions} too small for this check"
     lengths = [first + gap * i for i in range(staggered)] + [longest] * (rows - staggered)
@@ -144,7 +160,9 @@ def test_running_requests_are_never_preempted(client: Client, probes: Probes, no
 
 @clause("loop/reserve/1")
 def test_opening_reserves_the_whole_max_tokens(client: Client, probes: Probes, idle):
-    plan = client.need_plan("block_size", "positions")
+    if client.need("reservation")["reservation"] == "per_slot":
+        return slot_holds_the_whole_max_tokens(client, probes)
+    plan = client.need("block_size", "positions", "kv_blocks", "running")
     prompt, max_tokens = unique_text(40), plan["positions"] // 2
     prompt_tokens = client.complete(prompt, max_tokens=1)["usage"]["prompt_tokens"]
     client.wait_idle()
@@ -168,6 +186,24 @@ def test_opening_reserves_the_whole_max_tokens(client: Client, probes: Probes, i
                          f"{max_tokens} max_tokens ran; it needs {need} blocks of {plan['block_size']}")
 
 
+def slot_holds_the_whole_max_tokens(client: Client, probes: Probes) -> None:
+    """A fixed context per slot: with every other row busy with long requests, a request whose
+    prompt and max_tokens fit one slot runs to its whole max_tokens, never cut short for room."""
+    facts = client.need("rows", "positions", "running")
+    rows, positions = facts["rows"], facts["positions"]
+    fillers = fill_rows(client, probes, rows - 1, [positions - 40] * (rows - 1)) if rows > 1 else []
+    try:
+        max_tokens = max(16, positions // 8)
+        answer = client.complete(unique_text(40), **probes.long_params(max_tokens))
+    finally:
+        for f in fillers:
+            f.close()
+    got = answer["usage"]["completion_tokens"]
+    assert answer["choices"][0]["finish_reason"] == "length" and got == max_tokens, \
+        (f"with {rows - 1} other rows busy, a request of {max_tokens} max_tokens in a slot of {positions} positions "
+         f"ended {answer['choices'][0]['finish_reason']!r} after {got} tokens")
+
+
 def _burst(client: Client, k: int, chars: int):
     prompts = [unique_text(chars) for _ in range(k)]
     with ThreadPoolExecutor(k) as pool:
@@ -176,8 +212,9 @@ def _burst(client: Client, k: int, chars: int):
 
 @clause("loop/prefill/1")
 def test_decoding_rows_advance_every_step(client: Client, probes: Probes, idle):
-    plan = client.need_plan("positions", "token_budget")
-    long_chars = min(plan["positions"] - 24, 2 * plan["token_budget"])
+    plan = client.need("positions", "steps")
+    budget = client.facts.get("token_budget") if client.facts else None
+    long_chars = min(plan["positions"] - 24, 2 * budget) if budget else plan["positions"] - 24
     max_tokens = plan["positions"] - 40
     before = client.metric("engine_steps_total")
     decode = RawStream.open(client, unique_text(16), **probes.long_params(max_tokens))
@@ -218,8 +255,12 @@ def step_tokens(client: Client, decoding: bool) -> tuple[dict[float, float], flo
 
 
 @clause("loop/prefill/2")
-def test_prefill_beside_a_decoding_row_stays_within_the_token_budget(client: Client, probes: Probes, idle):
-    plan = client.need_plan("positions", "token_budget")
+def test_prefill_beside_a_decoding_row_stays_within_the_token_budget(client: Client, probes: Probes, facts: Facts,
+                                                                     idle):
+    plan = client.need("positions", "token_budget")
+    if not facts.has("step_tokens"):
+        return prefill_budget_by_gaps(client, probes, plan["positions"], plan["token_budget"])
+    client.need("step_tokens")
     budget = plan["token_budget"]
     buckets, _, _ = step_tokens(client, decoding=True)
     if float(budget) not in buckets:
@@ -247,9 +288,56 @@ def test_prefill_beside_a_decoding_row_stays_within_the_token_budget(client: Cli
                        f"of {budget} tokens ({tokens:.0f} tokens in all)")
 
 
+def prefill_budget_by_gaps(client: Client, probes: Probes, positions: int, budget: int) -> None:
+    """No per-step histogram: a step beside a decoding row feeds at most `budget` tokens, so
+    while a burst of several budgets is prefilled the decoding stream's longest gap stays
+    near the time one budget of prompt tokens takes, not the whole burst's."""
+    probe = unique_text(min(positions - 16, 2000))
+    started = time.monotonic()
+    tokens = client.complete(probe, max_tokens=1)["usage"]["prompt_tokens"]
+    per_token = (time.monotonic() - started) / max(1, tokens)  # overhead included: errs long
+    chars_per_token = len(probe) / max(1, tokens)
+    prompt_tokens = min(positions - 16, 3 * budget)
+    k = max(2, min(8, -(-3 * budget // prompt_tokens)))
+    chars = int(prompt_tokens * chars_per_token * 0.9)
+    decode = RawStream.open(client, unique_text(16), **probes.long_params(positions - 40))
+    try:
+        Mux([decode]).run(until=lambda m: decode.first_data is not None, timeout=30)
+        answers: list[dict] = []
+        gaps: list[float] = []
+        seen = [decode.request.received.count(b"data:"), time.monotonic()]
+
+        def watch(m: Mux) -> bool:
+            count = decode.request.received.count(b"data:")
+            if count > seen[0]:
+                now = time.monotonic()
+                gaps.append(now - seen[1])
+                seen[:] = [count, now]
+            return len(answers) > 0
+
+        with ThreadPoolExecutor(1) as pool:
+            job = pool.submit(lambda: answers.extend(_burst(client, k, chars)) or True)
+            Mux([decode]).run(until=lambda m: watch(m) or job.done(), timeout=120)
+            job.result()
+        running = decode.finish_reason() is None
+    finally:
+        decode.close()
+    assert running, "the decoding request ended before the burst was prefilled; the check needs it beside"
+    fed = sum(a["usage"]["prompt_tokens"] for a in answers)
+    if fed < 2 * budget:
+        raise NotSupported(f"the burst held {fed} prompt tokens, under two token budgets of {budget}: too few to tell")
+    longest = max(gaps, default=0.0)
+    allowed = 1.5 * per_token * budget + 0.1
+    assert longest <= allowed, \
+        (f"while {k} prompts of {fed} tokens in all were prefilled, the decoding stream waited {longest:.2f} s for a "
+         f"token; a step within the token budget of {budget} takes about {per_token * budget:.2f} s "
+         f"(allowed {allowed:.2f} s; the whole burst in one step takes about {per_token * fed:.2f} s)")
+
+
 @clause("loop/prefill/3")
 def test_prefill_with_no_row_decoding_stays_within_the_idle_budget(client: Client, idle):
-    plan = client.need_plan("positions", "token_budget")
+    plan = client.need("positions", "token_budget", "steps")
+    plan["idle_token_budget"] = client.facts.get("idle_token_budget") if client.facts else None
     limit = max(plan["token_budget"], plan.get("idle_token_budget") or 0)
     k = 4
     chars = min(plan["positions"] - 8, int(limit * 1.5))

@@ -6,7 +6,8 @@ clause it runs: its `scope` (clause id prefixes; by default the area of `breaks`
 `control`, a clause the defect leaves alone, so a variant that cannot even start fails the
 proof instead of proving its clause. `parts` says how it is built: for each part of the
 server (engine, scheduler, prefix_cache, stop_checker, random_stream, driver, state,
-middleware, parser), the subclass or wrapper that replaces the reference one.
+middleware, parser, key_guard), the subclass or wrapper that replaces the reference one. A
+`keyed` variant is started with an API key (and the suite given it), as the bundled run is.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class Mutant:
     control: str = CONTROL  # a clause that must pass: the variant started and serves
     recurrent: bool = False  # needs a recurrent-state model too
     speculative: bool = False  # needs speculative decoding too (--draft ngram)
+    keyed: bool = False  # started with an API key, which the suite is given
 
     @property
     def prefixes(self) -> tuple[str, ...]:
@@ -238,6 +240,9 @@ MUTANTS: tuple[Mutant, ...] = (
       "after a prefix-cache hit, the prompt is fed again from its start at the positions after the cached blocks",
       "!= warm", {"scheduler": e.PrefixHitRefeedsPrompt},
       also=("determinism/batch/1", "determinism/seed/1"), scope=("determinism",)),
+    M("any_bearer_key", "api/auth/1",
+      "a keyed server takes any bearer token, not only its key", "with a wrong key answered 200, expected 401",
+      {"key_guard": h.AnyBearerKey}, scope=("api/auth",), keyed=True),
 )
 
 # The sampling API: rewrites around the app, run on the sampling clauses with a completion as control.
@@ -282,4 +287,4 @@ REFUSES_LOGPROBS = M("refuses_logprobs", "api/logprobs/1", "logprobs and echo ar
 
 BY_NAME = {m.name: m for m in (*MUTANTS, CRASH_AT_START, REFUSES_LOGPROBS)}
 PARTS = ("engine", "scheduler", "prefix_cache", "stop_checker", "random_stream", "driver", "state", "middleware",
-         "parser")
+         "parser", "key_guard")

@@ -15,6 +15,7 @@ import sys
 from poot.engine import Engine
 from poot.server import cli
 from poot.server.app import build_app
+from poot.server.auth import RequireKey
 from poot.server.state import ServerState, slowed
 
 from .registry import BY_NAME, PARTS
@@ -83,17 +84,19 @@ def state_class(parts: dict[str, list]) -> type[ServerState]:
     return Mutated
 
 
-def app_factory(parts: dict[str, list]):
+def app_factory(parts: dict[str, list], outer=None):
     def build(state):
         app = build_app(state)
         for middleware in parts["middleware"]:
             app = middleware(app, state)
-        return app
+        return outer(app) if outer is not None else app
 
     return build
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, outer=None) -> int:
+    """Runs the server with the named defects; `outer` (app -> ASGI app), when given, wraps
+    the whole app, defects included (a test-only view such as an OpenAI-only server)."""
     names, rest = split_argv(sys.argv[1:] if argv is None else argv)
     try:
         parts = collect(names)
@@ -102,7 +105,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     parser = cli.build_parser(combined(argparse.ArgumentParser, parts["parser"]))
     logging.getLogger("poot.server").warning("deliberate defects on: %s", ", ".join(names) or "none")
-    return cli.main(rest, parser=parser, state_class=state_class(parts), app_factory=app_factory(parts))
+    key_guard = combined(RequireKey, parts["key_guard"]) if parts["key_guard"] else None
+    return cli.main(rest, parser=parser, state_class=state_class(parts), app_factory=app_factory(parts, outer),
+                    key_guard=key_guard)
 
 
 if __name__ == "__main__":

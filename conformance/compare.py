@@ -1,0 +1,82 @@
+"""`poot-conformance compare A.json B.json ...`: JSON reports side by side, clauses x servers.
+
+As Gateway API publishes its implementations' conformance: one column per server, one row
+per clause, the outcome in each cell and, for what did not pass, its reason in a footnote.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+MARKS = {"passed": "pass", "failed": "**fail**", "not_supported": "n/s"}
+
+
+def _short(text: str, limit: int = 160) -> str:
+    text = " ".join(str(text).split()).replace("|", "\\|")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def matrix(reports: list[dict], names: list[str]) -> str:
+    """The Markdown matrix of several JSON reports."""
+    order: list[str] = []
+    titles: dict[str, str] = {}
+    cells: list[dict[str, dict]] = []
+    for report in reports:
+        by_id = {}
+        for c in report.get("clauses", []):
+            by_id[c["id"]] = c
+            titles.setdefault(c["id"], c.get("title", ""))
+            if c["id"] not in order:
+                order.append(c["id"])
+        cells.append(by_id)
+    lines = ["| clause | title | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+    notes: list[str] = []
+    for cid in order:
+        row = []
+        for name, by_id in zip(names, cells, strict=True):
+            c = by_id.get(cid)
+            if c is None:
+                row.append("-")
+                continue
+            mark = MARKS.get(c["outcome"], c["outcome"])
+            if c["outcome"] != "passed" and c.get("why"):
+                notes.append(f"{len(notes) + 1}. `{cid}` on {name}: {_short(c['why'], 300)}")
+                mark += f" [{len(notes)}]"
+            row.append(mark)
+        lines.append(f"| `{cid}` | {_short(titles[cid], 80)} | " + " | ".join(row) + " |")
+    totals = []
+    for report in reports:
+        s = report.get("summary", {})
+        totals.append(f"{s.get('passed', 0)} passed, {s.get('failed', 0)} failed, "
+                      f"{s.get('not_supported', 0)} n/s")
+    lines.append("| | **total** | " + " | ".join(totals) + " |")
+    out = "\n".join(lines)
+    if notes:
+        out += "\n\n" + "\n".join(notes)
+    return out + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="poot-conformance compare",
+                                description="JSON reports of several servers side by side, as a Markdown matrix.")
+    p.add_argument("reports", nargs="+", metavar="REPORT.json")
+    p.add_argument("--name", action="append", default=[],
+                   help="column name per report, in order (default: the file's stem)")
+    p.add_argument("--markdown", "-o", metavar="PATH", default="conformance-compare.md",
+                   help="where to write the matrix (default conformance-compare.md)")
+    args = p.parse_args(argv)
+    reports = []
+    for path in args.reports:
+        try:
+            reports.append(json.loads(Path(path).read_text()))
+        except (OSError, json.JSONDecodeError) as e:
+            print(f"poot-conformance compare: {path}: {e}", file=sys.stderr)
+            return 4
+    names = args.name + [Path(p).stem for p in args.reports[len(args.name):]]
+    text = matrix(reports, names[: len(reports)])
+    print(text, end="")
+    Path(args.markdown).write_text(text)
+    return 0
