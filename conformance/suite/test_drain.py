@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
-from poot.conformance.client import Client
+from poot.conformance.client import Client, auth_headers
 from poot.conformance.scenarios import Mux, RawStream, unique_text
 
 clause = pytest.mark.clause
@@ -35,7 +35,7 @@ def run_drain(spawn, timeout: float) -> Drain:
         stream = RawStream.open(client, unique_text(16), max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
         Mux([stream]).run(until=lambda m: stream.first_data is not None, timeout=30)
         server.signal(signal.SIGTERM)
-        with httpx.Client(timeout=2.0) as probe:
+        with httpx.Client(timeout=2.0, headers=auth_headers(client.api_key)) as probe:
             for _ in range(3):
                 if stream.finished is not None:
                     break
