@@ -35,15 +35,6 @@ class Rewrite:
             return await self._refuse(send)
         if isinstance(body, dict) and self.request is not None:
             raw = json.dumps(self.request(body)).encode()
-        sent = False
-
-        async def replay():
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": raw, "more_body": False}
-            return await receive()
-
         start: dict = {}
 
         async def rewrite(message):
@@ -67,7 +58,7 @@ class Rewrite:
             await send({**start, "headers": headers})
             await send({"type": "http.response.body", "body": out, "more_body": False})
 
-        await self.app(scope, replay, rewrite)
+        await self.app(scope, _replay(raw, receive), rewrite)
 
     @staticmethod
     def _is_stream(start: dict) -> bool:
