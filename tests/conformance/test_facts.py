@@ -16,7 +16,7 @@ from poot.conformance.outcomes import NotSupported
 
 CLI = [sys.executable, "-m", "poot.conformance.cli"]
 HERE = Path(__file__).parent
-OPENAI_ONLY = f"{sys.executable} {HERE / 'openai_only_server.py'} --model synthetic --step-delay 0.004 --port {{port}}"
+OPENAI_ONLY = f"{sys.executable} {HERE / 'openai_only_server.py'} --model synthetic --step-delay 0.02 --port {{port}}"
 
 
 def fake(routes: dict[str, tuple[int, object]]) -> httpx.Client:
