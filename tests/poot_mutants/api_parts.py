@@ -22,11 +22,7 @@ class Rewrite:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] != "POST" or not scope["path"].startswith("/v1/"):
             return await self.app(scope, receive, send)
-        raw, more = b"", True
-        while more:
-            message = await receive()
-            raw += message.get("body", b"")
-            more = message.get("more_body", False)
+        raw = await _read_body(receive)
         try:
             body = json.loads(raw)
         except ValueError:
@@ -103,11 +99,7 @@ class FanOut:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["path"] != "/v1/completions":
             return await self.app(scope, receive, send)
-        raw, more = b"", True
-        while more:
-            message = await receive()
-            raw += message.get("body", b"")
-            more = message.get("more_body", False)
+        raw = await _read_body(receive)
         body = json.loads(raw)
         n = body.get("n") or 1
         if n == 1 or body.get("stream"):
@@ -135,6 +127,15 @@ class FanOut:
 
         await self.app(scope, _replay(raw, receive), collect)
         return status, json.loads(b"".join(parts))
+
+
+async def _read_body(receive) -> bytes:
+    raw, more = b"", True
+    while more:
+        message = await receive()
+        raw += message.get("body", b"")
+        more = message.get("more_body", False)
+    return raw
 
 
 def _replay(raw: bytes, receive):
