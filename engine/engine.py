@@ -14,6 +14,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from .prefix_cache import PrefixCache
 from .scheduler import Scheduled, Scheduler
 from .sequence import Sequence
 from .speculative import make_draft_policy
+from .step_times import StepTimes, kind_of
 from .step_tokens import StepTokens
 from .stops import StopChecker
 
@@ -89,6 +91,8 @@ class Engine:
         self._health = Health("ok")
         self.counters: Counter[str] = Counter()
         self.step_tokens = StepTokens(plan)
+        self.step_times = StepTimes()
+        self._device_s = 0.0  # the driver's share of the current iteration
         self.finished_by_reason: Counter[str] = Counter(dict.fromkeys(("stop", "length", "cancelled", "error"), 0))
 
     @classmethod
@@ -191,6 +195,7 @@ class Engine:
             "spec_accepted_tokens": self.counters["spec_accepted"],
             "spec_rounds": self.counters["spec_rounds"],
             "engine_step_tokens": self.step_tokens.snapshot(),
+            "engine_step_seconds": self.step_times.snapshot(),
         }
         return m
 
@@ -214,11 +219,17 @@ class Engine:
         if self._panic_armed:
             self._panic_armed = False
             raise RuntimeError("injected: engine thread panic")
+        began = time.perf_counter()
         self._take_jobs()
         self._release_cancelled()
         self._open_waiting()
         scheduled, logits = self._step()
         self._commit(scheduled, logits)
+        if scheduled:
+            took = time.perf_counter() - began
+            kind = kind_of(decoding=any(s.work.start >= len(s.seq.prompt) for s in scheduled),
+                           prefilling=any(s.work.start < len(s.seq.prompt) for s in scheduled))
+            self.step_times.observe(kind, took, took - self._device_s)
 
     def _wait_for_job(self) -> None:
         # Sleep until a job is queued (or a moment passes); phase 1 then takes every queued job
@@ -313,11 +324,13 @@ class Engine:
         scheduled = self.scheduler.schedule(self.driver.draft_policy)
         if not scheduled:
             return [], None
+        began = time.perf_counter()
         try:
             out = self.driver.step([s.work for s in scheduled])
         except StepRefused as e:
             self._refused(scheduled, e)
             return [], None
+        self._device_s = time.perf_counter() - began
         self.counters["steps"] += 1
         self.step_tokens.observe(sum(len(s.work.tokens) for s in scheduled),
                                  decoding=any(not s.seq.prefilling for s in scheduled))

@@ -32,6 +32,13 @@ GAUGES = {
 FINISHED = ("requests_finished", "Finished requests by reason: stop, length, cancelled, error.")
 STEP_TOKENS = ("engine_step_tokens", "Tokens fed per step; decoding=\"true\" for steps beside a decoding row. "
                "The plan's token_budget and idle_token_budget are bucket bounds.")
+STEP_SECONDS = ("engine_step_duration_seconds",
+                "Loop iterations that stepped, by what the step carried: kind=\"decode\" (decoding rows "
+                "only), \"mixed\" (decoding rows and prefill chunks), \"prefill\" (prefill only). A "
+                "decoding stream's gap between tokens is one such iteration.")
+HOST_SECONDS = ("engine_step_host_seconds", "Seconds of those iterations spent outside the driver's step "
+                "(scheduling, sampling, streaming), by kind.")
+MAX_SECONDS = ("engine_step_duration_max_seconds", "The longest iteration so far, by kind.")
 
 
 class EngineCollector(Collector):
@@ -55,7 +62,9 @@ class EngineCollector(Collector):
         yield finished
         if STEP_TOKENS[0] in m:
             yield step_tokens_family(m[STEP_TOKENS[0]])
-        known = set(COUNTERS) | set(GAUGES) | {FINISHED[0], STEP_TOKENS[0]}
+        if "engine_step_seconds" in m:
+            yield from step_seconds_families(m["engine_step_seconds"])
+        known = set(COUNTERS) | set(GAUGES) | {FINISHED[0], STEP_TOKENS[0], "engine_step_seconds"}
         for name, value in sorted(m.items()):  # anything the engine adds later still shows up
             if name not in known and isinstance(value, int | float) and not isinstance(value, bool):
                 yield GaugeMetricFamily(name, f"Engine metric {name}.", value=value)
@@ -68,6 +77,20 @@ def step_tokens_family(hist: dict) -> HistogramMetricFamily:
         buckets = [(str(float(b)), c) for b, c in zip(hist["bounds"], h["buckets"], strict=True)]
         family.add_metric([label], buckets + [("+Inf", h["count"])], sum_value=h["sum"])
     return family
+
+
+def step_seconds_families(hist: dict):
+    durations = HistogramMetricFamily(STEP_SECONDS[0], STEP_SECONDS[1], labels=["kind"])
+    host = CounterMetricFamily(HOST_SECONDS[0], HOST_SECONDS[1], labels=["kind"])
+    longest = GaugeMetricFamily(MAX_SECONDS[0], MAX_SECONDS[1], labels=["kind"])
+    for kind, h in hist.items():
+        if kind == "bounds":
+            continue
+        buckets = [(str(float(b)), c) for b, c in zip(hist["bounds"], h["buckets"], strict=True)]
+        durations.add_metric([kind], buckets + [("+Inf", h["count"])], sum_value=h["sum"])
+        host.add_metric([kind], h["host_sum"])
+        longest.add_metric([kind], h["max"])
+    return durations, host, longest
 
 
 def make_registry(state) -> CollectorRegistry:
