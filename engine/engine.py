@@ -105,6 +105,7 @@ class Engine:
         plan = fit_plan(driver.device(), model.config, driver.weight_bytes(model), model.name,
                         kv_bytes_per_token=driver.kv_bytes_per_token(model.config))
         driver.prepare(plan, model)
+        driver.warm_up()
         draft_policy = None
         if draft and draft != "none":
             if getattr(model.config, "recurrent", False):

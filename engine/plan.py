@@ -41,6 +41,10 @@ class Plan:
     # chunk may be long enough for the products to run at their full rate. 0: token_budget.
     idle_token_budget: int = 0
     adapter: str = ""  # the device adapter the driver runs on, where it chose one
+    # Prefill tokens a step beside only a few decoding rows may add (see step_budget); 0: no
+    # cap but token_budget.
+    prefill_chunk: int = 0
+    token_multiple: int = 1  # the device's products run on multiples of this many tokens
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -49,6 +53,23 @@ class Plan:
         """The tokens one step may feed: token_budget while any row is decoding, else the
         idle budget."""
         return self.token_budget if decoding else max(self.token_budget, self.idle_token_budget)
+
+    def step_budget(self, decoding_rows: int) -> int:
+        """The tokens one step may feed beside `decoding_rows` decoding rows (their own tokens
+        included): the idle budget when none decodes; else at most token_budget, and no more
+        than max(2D, D + prefill_chunk). A step's cost grows with the tokens it feeds, so
+        prefill at most doubles what the decoding rows' own step costs, however few they
+        are. On a device whose products are padded to a width, the cap rounds down while
+        the rows fill less than one width (a step over it costs a whole width more) and up
+        beyond (the padding is a small share of the step)."""
+        if decoding_rows == 0:
+            return self.max_step_tokens
+        if not self.prefill_chunk:
+            return self.token_budget
+        d, m = decoding_rows, max(1, self.token_multiple)
+        cap = d + max(d, self.prefill_chunk)
+        rounded = (cap // m) * m if d < m else -(-cap // m) * m
+        return min(self.token_budget, rounded if rounded > d else cap)
 
     @property
     def max_step_tokens(self) -> int:
@@ -61,17 +82,17 @@ class Plan:
 BLOCK_SIZE = 16
 MAX_POSITIONS = 2048
 KV_SHARE = 0.2  # share of device memory the KV pool may take, after the weights
-PREFILL_SHARE = 2.0  # a step with a prefill chunk may cost about this many weight reads
+PREFILL_SHARE = 1.0  # a prefill chunk beside few decoding rows: about one weight read of arithmetic
 IDLE_PREFILL_SHARE = 8.0  # likewise, a step that no decoding row waits on
 
 
 def prefill_chunk(device: DeviceInfo, itemsize: int = 4) -> int:
-    """Prefill tokens one step may carry beside every decoding row.
+    """Prefill tokens a step beside a few decoding rows may carry (Plan.step_budget).
 
     A token costs 2 FLOPs per weight (itemsize bytes), so at `balance` tokens a step's
-    arithmetic takes as long as reading the weights once. Capping the chunk at a small
-    multiple of that keeps a step with prefill within a few decode steps' time, so decoding
-    rows never stall behind a burst of long prompts; the prompts still advance every step.
+    arithmetic takes as long as reading the weights once, which is what a step of a few
+    decoding rows costs: a chunk of that size about doubles such a step, so decoding rows
+    never stall behind a burst of long prompts, and the prompts still advance every step.
     """
     balance = device.flops_per_byte * itemsize / 2
     return max(16, int(PREFILL_SHARE * balance))
@@ -99,11 +120,14 @@ def fit_plan(device: DeviceInfo, config, weight_bytes: int, model_name: str = ""
     positions = min(int(config.max_positions), MAX_POSITIONS)
     rows = max(1, device.parallel_rows)
     multiple = max(1, device.token_multiple)
-    token_budget = -(-(rows + prefill_chunk(device)) // multiple) * multiple
+    chunk = prefill_chunk(device)
+    # Beside every row decoding, prefill may double the step (Plan.step_budget).
+    token_budget = -(-(rows + max(rows, chunk)) // multiple) * multiple
     idle_budget = max(token_budget, -(-idle_prefill_chunk(device) // multiple) * multiple)
     if getattr(config, "recurrent", False):
         return Plan(device.backend, rows, positions, BLOCK_SIZE, 0, token_budget, model_name, state_slots=rows,
-                    idle_token_budget=idle_budget, adapter=device.adapter)
+                    idle_token_budget=idle_budget, adapter=device.adapter, prefill_chunk=chunk,
+                    token_multiple=multiple)
     free = device.memory_bytes - weight_bytes
     if free <= 0:
         raise ValueError(f"the model's weights ({weight_bytes} bytes) do not fit the device ({device.memory_bytes} bytes)")
@@ -121,4 +145,5 @@ def fit_plan(device: DeviceInfo, config, weight_bytes: int, model_name: str = ""
     if positions < BLOCK_SIZE:
         raise ValueError("the device has no room for a KV cache")
     return Plan(device.backend, rows, positions, BLOCK_SIZE, num_blocks, token_budget, model_name,
-                idle_token_budget=idle_budget, adapter=device.adapter)
+                idle_token_budget=idle_budget, adapter=device.adapter, prefill_chunk=chunk,
+                token_multiple=multiple)

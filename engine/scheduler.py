@@ -6,9 +6,10 @@ waiting request that does not fit blocks everything younger: letting a small you
 jump ahead would let a stream of small requests starve a large old one forever.
 
 A step hands out a token budget: every decoding row first (one token, plus its drafts), then
-prefill chunks, oldest first, from what is left. A burst of long prompts therefore never
-delays a decoding row's next token by more than one budget-sized step. A step with no
-decoding row has nobody to delay, and its prefill takes the plan's larger idle budget.
+prefill chunks, oldest first, from what is left. The budget beside D decoding rows is at most
+the plan's token_budget and at most about twice D (Plan.step_budget): a burst of long prompts
+never makes a decoding row's next token wait for more than about two of its usual steps. A
+step with no decoding row has nobody to delay, and its prefill takes the plan's idle budget.
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ class Scheduler:
     def schedule(self, draft_policy=None) -> list[Scheduled]:
         steps: list[Scheduled] = []
         decoding = self.decoding_rows()
-        budget = self.plan.prefill_budget(decoding=bool(decoding))
+        budget = self.plan.step_budget(len(decoding))
         room = max(0, budget - len(decoding))  # every decoding row gets its token first
         for seq in decoding:
             drafts = draft_policy.propose(seq, room, len(decoding)) if draft_policy else []

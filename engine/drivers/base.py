@@ -196,6 +196,32 @@ class Driver(ABC):
             if w.row not in self.open_rows:
                 raise StepRefused(f"row {w.row} was not opened")
 
+    def warm_up(self) -> None:
+        """Runs one step of every kind the loop can send, on scratch rows, so that nothing is
+        built, loaded or first touched while a request waits: the first request is served
+        as fast as the next. Part of preparing: the engine calls it right after prepare(),
+        before it serves. The KV written here is never read: a row attends only to positions
+        its own sequence wrote first."""
+        plan = self.plan
+        blocks = list(range(plan.blocks_for(plan.positions))) if plan.num_blocks else []
+        blocks = blocks[: plan.num_blocks]
+        room = len(blocks) * plan.block_size if blocks else plan.positions
+        budget, most = plan.token_budget, plan.max_step_tokens
+        # Tokens per row of each warm-up step: one decode row, every row decoding, a few-token
+        # row (speculative drafts), a decode row beside a prefill chunk, the longest chunks.
+        shapes = [[1], [1] * plan.rows, [min(12, budget)], [1, max(1, budget - 1)], [budget], [most]]
+        for shape in shapes:
+            shape = [min(n, room) for n in shape[: plan.rows]]
+            while sum(shape) > most:
+                shape.pop()
+            for row in range(len(shape)):
+                self.open_row(row, blocks)
+            try:
+                self.step([RowWork(row, np.zeros(n, np.int32), 0, blocks, 1) for row, n in enumerate(shape)])
+            finally:
+                for row in range(len(shape)):
+                    self.close_row(row)
+
     def _built(self) -> None:
         """Every entry build goes through here, so the compile count is honest."""
         self.compiles += 1

@@ -32,6 +32,8 @@ class CheckingDriver(NumpyDriver):
         self.max_feed = 0
 
     def _run(self, step, batch):
+        if self.engine is None:  # the warm-up steps of preparing, before any request exists
+            return super()._run(step, batch)
         reserved = {q.row: q.num_reserved_tokens for q in self.engine.scheduler.running}
         for w in batch:
             end = w.start + len(w.tokens)

@@ -139,3 +139,51 @@ def test_no_prefill_budget_shows_in_the_histogram():
     hist = engine.metrics()["engine_step_tokens"]
     beside = hist["decoding"]
     assert beside["buckets"][hist["bounds"].index(16)] < beside["count"]
+
+
+def test_prefill_at_most_doubles_a_step_beside_few_decoding_rows():
+    """Beside D decoding rows a step feeds at most max(2D, D + prefill_chunk) tokens: a step's
+    cost grows with its tokens, so a prefill chunk at most doubles what the decoding rows'
+    own step would cost, however few they are (with 4 rows decoding SmolLM2 on two cores, an
+    80-token step took 4.8x a 4-token one)."""
+    model = synthetic_llama(0)
+    plan = Plan("numpy", 8, 256, 16, 8 * 256 // 16, 40, model.name, idle_token_budget=64, prefill_chunk=6)
+    assert [plan.step_budget(d) for d in range(0, 9)] == [64, 7, 8, 9, 10, 11, 12, 14, 16]
+    driver = NumpyDriver()
+    driver.prepare(plan, model)
+    engine = Engine(model, driver, plan, None)
+    recs = [submit(engine, prompt(3, salt=i), greedy(80, ignore_eos=True))[0] for i in range(3)]
+    while not all(r.token_ids for r in recs):
+        engine.iteration()
+    steps = record_steps(engine)
+    submit(engine, prompt(120, salt=9), greedy(1))
+    run_until_idle(engine)
+    mixed = [step for step in steps if any(p for p, _ in step) and any(not p for p, _ in step)]
+    assert mixed, "the long prompt was never prefilled beside the decoding rows"
+    for step in mixed:
+        decoding = sum(1 for p, _ in step if not p)
+        assert sum(n for _, n in step) <= max(2 * decoding, decoding + 6), step
+
+
+def test_the_step_budget_rounds_to_the_product_width():
+    """Products padded to a width cost the padded width: below one width of decoding rows the
+    cap rounds down (a step over it would cost a whole width more), above it up (the padding
+    is a small share of the step)."""
+    model = synthetic_llama(0)
+    plan = Plan("numpy", 32, 256, 16, 32 * 256 // 16, 64, model.name, idle_token_budget=176,
+                prefill_chunk=22, token_multiple=16)
+    assert plan.step_budget(1) == 16 and plan.step_budget(4) == 16
+    assert plan.step_budget(12) == 32 and plan.step_budget(20) == 48
+    assert plan.step_budget(31) == 64 and plan.step_budget(32) == 64
+    assert all(plan.step_budget(d) <= plan.token_budget for d in range(1, 33))
+    assert all(plan.step_budget(d) > d for d in range(1, 32))
+
+
+def test_a_fitted_plan_caps_prefill_beside_decoding_rows():
+    model = synthetic_llama(5)
+    device = DeviceInfo("numpy", "cpu", 1 << 30, parallel_rows=32, flops_per_byte=11.0, token_multiple=16)
+    plan = fit_plan(device, model.config, 0)
+    assert plan.prefill_chunk == prefill_chunk(device)
+    assert plan.token_multiple == 16
+    assert plan.token_budget == 32 + max(32, plan.prefill_chunk)
+    assert plan.step_budget(32) == plan.token_budget
