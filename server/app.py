@@ -90,8 +90,10 @@ def build_app(state: ServerState):
     async def lifespan(app):
         threading.Thread(target=state.load, name="poot-load", daemon=True).start()
         watcher = asyncio.create_task(drain_watch(state))
+        lag = asyncio.create_task(state.loop_lag.watch())
         yield
         watcher.cancel()
+        lag.cancel()
         if state.engine is not None:
             await asyncio.to_thread(state.engine.stop, 2.0)
 

@@ -46,6 +46,7 @@ class EngineCollector(Collector):
         self.state = state
 
     def collect(self):
+        yield loop_lag_family(self.state.loop_lag)
         engine = self.state.engine
         if engine is None:  # still loading: nothing to report yet
             return
@@ -91,6 +92,17 @@ def step_seconds_families(hist: dict):
         host.add_metric([kind], h["host_sum"])
         longest.add_metric([kind], h["max"])
     return durations, host, longest
+
+
+LOOP_LAG = ("server_event_loop_lag_seconds", "How late the server's event loop woke for a timer due every "
+            "20 ms: a late loop delays every stream's tokens at once, whatever the engine's steps took.")
+
+
+def loop_lag_family(lag) -> HistogramMetricFamily:
+    family = HistogramMetricFamily(LOOP_LAG[0], LOOP_LAG[1])
+    buckets = [(str(float(b)), c) for b, c in zip(lag.bounds, lag.cumulative(), strict=True)]
+    family.add_metric([], buckets + [("+Inf", sum(lag.counts))], sum_value=lag.total)
+    return family
 
 
 def make_registry(state) -> CollectorRegistry:

@@ -7,6 +7,7 @@ import sys
 import time
 
 from . import loading
+from .loop_lag import LoopLag
 from .openai import ApiError
 
 log = logging.getLogger("poot.server")
@@ -30,6 +31,7 @@ class ServerState:
         self.active = 0  # generation requests the app has not finished answering
         self.exit_code = 0
         self.request_exit = lambda: None  # set by the CLI: makes uvicorn shut down
+        self.loop_lag = LoopLag()  # how late the event loop wakes (server/loop_lag.py)
 
     # ---- loading (runs on its own thread while the server already answers /health) ----
 

@@ -80,6 +80,27 @@ def test_health_models_and_metrics(srv):
     assert "# HELP engine_steps_total " in text and "# TYPE engine_steps_total counter" in text
 
 
+def test_metrics_split_step_durations_by_kind_and_show_the_event_loop_lag(srv):
+    """A stream's gap is one loop iteration, or a late event loop: /metrics shows both, so a
+    long gap can be traced to its cause."""
+    before = srv.metrics()
+    srv.complete(prompt="a prompt to prefill first", max_tokens=6, temperature=0, ignore_eos=True)
+    after = srv.metrics()
+    steps = after["engine_steps_total"] - before["engine_steps_total"]
+    counted = sum(after[f'engine_step_duration_seconds_count{{kind="{k}"}}'] -
+                  before[f'engine_step_duration_seconds_count{{kind="{k}"}}'] for k in ("decode", "mixed", "prefill"))
+    assert counted == steps  # every step is one iteration of exactly one kind
+    grew = {k: after[f'engine_step_duration_seconds_count{{kind="{k}"}}'] -
+            before[f'engine_step_duration_seconds_count{{kind="{k}"}}'] for k in ("decode", "prefill")}
+    assert grew["prefill"] >= 1 and grew["decode"] >= 5, grew  # alone, a prompt is prefill then decode
+    for k in ("decode", "prefill"):
+        assert 0 < after[f'engine_step_duration_max_seconds{{kind="{k}"}}'] < 60
+        assert 0 <= after[f'engine_step_host_seconds_total{{kind="{k}"}}'] <= \
+            after[f'engine_step_duration_seconds_sum{{kind="{k}"}}']
+    assert after["server_event_loop_lag_seconds_count"] > 0  # the timer has been waking
+    assert after["server_event_loop_lag_seconds_sum"] >= 0
+
+
 def test_completion_and_chat_shapes(srv):
     c = srv.complete(prompt="Hello", max_tokens=5, temperature=0, ignore_eos=True)
     assert c["object"] == "text_completion" and c["id"] and isinstance(c["created"], int) and c["model"]
