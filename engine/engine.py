@@ -314,7 +314,9 @@ class Engine:
 
     # phase 3
     def _open_waiting(self) -> None:
+        now = time.perf_counter()
         for seq in self.scheduler.open_waiting():
+            seq.opened_at = now
             seq.num_cached = seq.num_computed  # a prefix-cache hit starts past its cached blocks
             self.driver.open_row(seq.row, seq.block_table)  # fixed until the row closes
             self.counters["prefix_queried_tokens"] += len(seq.prompt)
@@ -375,6 +377,8 @@ class Engine:
         """Keeps tokens up to EOS, a stop string or max_tokens; with drafts, the accepted
         ones and one more from the target."""
         was_decoding = bool(seq.output)
+        if not was_decoding:
+            seq.first_token_at = time.perf_counter()
         kept, text, reason, scores = [], [], None, []
         for i in range(len(rows)):
             picked = self.picker.pick(rows[i], seq)
@@ -432,7 +436,10 @@ class Engine:
             self.counters["prefix_registered_tokens"] += registered
         self._forget(seq.request_id)
         self.finished_by_reason[reason] += 1
-        self._emit(seq.handle, Finished(reason, len(seq.prompt), len(seq.output), seq.num_cached, error, tail))
+        queued = seq.opened_at - seq.handle.submitted if seq.opened_at is not None else None
+        prefill = seq.first_token_at - seq.opened_at if seq.first_token_at is not None else None
+        self._emit(seq.handle, Finished(reason, len(seq.prompt), len(seq.output), seq.num_cached, error, tail,
+                                        queued, prefill))
 
     def _forget(self, request_id: int) -> None:
         with self._lock:

@@ -9,6 +9,7 @@ must be quick and thread-safe (the server hands events to its event loop).
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -55,6 +56,10 @@ class Finished:
     cached_tokens: int = 0
     error: str | None = None  # why, when reason == "error"
     text: str = ""  # held-back text released at the end (never part of a stop string)
+    # Seconds from submission to taking a row, and from taking a row to the first output
+    # token (None where the request never got that far).
+    queued_s: float | None = None
+    prefill_s: float | None = None
 
 
 Event = Accepted | Rejected | Tokens | PromptLogprobs | Finished
@@ -67,6 +72,7 @@ class RequestHandle:
     request_id: int
     sink: Callable[[Event], None]
     cancelled: threading.Event = field(default_factory=threading.Event)
+    submitted: float = field(default_factory=time.perf_counter)  # when the owner submitted it
 
     def cancel(self) -> None:
         self.cancelled.set()

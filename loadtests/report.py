@@ -247,7 +247,11 @@ def markdown(summary: dict, plots: Sequence[str] = ()) -> str:
               _row("TTFT", st["ttft"]), _row("TPOT (mean per request)", st["tpot"]),
               _row("token gap (every gap)", st["itl"]), _row("p99 gap per request", st["req_gap_p99"]),
               _row("largest gap per request", st["req_gap_max"]), _row("end-to-end", st["e2e"]),
-              _row("client schedule lag", st["schedule_lag"]), ""]
+              _row("client schedule lag", st["schedule_lag"])]
+    for key, name in (("queue_time", "server: queued for a row"), ("prefill_time", "server: prefill to first token")):
+        if st.get(key, {}).get("count"):
+            lines.append(_row(name, st[key]))
+    lines.append("")
     tps = st["req_tokens_per_s"]
     lines.append(f"Output tokens/s per request: p50 {_f(tps['p50'], 1, 1)}, p95 {_f(tps['p95'], 1, 1)}.")
     if "by_kind" in summary:

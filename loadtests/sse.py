@@ -79,6 +79,7 @@ class StreamRecorder:
         self.empty_chunks = 0
         self.finish_reason: str | None = None
         self.usage: dict | None = None
+        self.timings: dict = {}  # the server's own split of the wait, where it sends one
         self.done = False
         self.error: str | None = None
         self.text_parts: list[str] = []
@@ -122,6 +123,8 @@ class StreamRecorder:
             self.finish_reason = finish
         if obj.get("usage"):
             self.usage = obj["usage"]
+        if isinstance(obj.get("timings"), dict):
+            self.timings = obj["timings"]
 
     def record(self) -> dict:
         usage = self.usage or {}
@@ -135,5 +138,9 @@ class StreamRecorder:
             "prompt_tokens": usage.get("prompt_tokens"),
             "completion_tokens": usage.get("completion_tokens"),
             "cached_tokens": details.get("cached_tokens"),
+            # Server side: poot-serve's queued_ms and prefill_ms; llama.cpp's server names its
+            # prompt processing prompt_ms and reports no queue time.
+            "queued_ms": self.timings.get("queued_ms"),
+            "prefill_ms": self.timings.get("prefill_ms", self.timings.get("prompt_ms")),
             "done": self.done,
         }

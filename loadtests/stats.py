@@ -149,6 +149,11 @@ def summarize(records: Sequence[dict], slo: Slo = Slo(), duration: float | None 
         "req_gap_max": describe([m["gap_max"] for m in ok if m["gap_max"] is not None]),
         "req_tokens_per_s": describe([m["tokens_per_s"] for m in ok if m["tokens_per_s"]]),
         "schedule_lag": describe(lags),
+        # The server's split of time to first token (seconds), where it reports one.
+        "queue_time": describe([r["queued_ms"] / 1e3 for r in records
+                                if r.get("status") == "ok" and r.get("queued_ms") is not None]),
+        "prefill_time": describe([r["prefill_ms"] / 1e3 for r in records
+                                  if r.get("status") == "ok" and r.get("prefill_ms") is not None]),
         "slo": slo.as_dict(),
         "goodput": (good / (len(records) - len(disconnected))) if len(records) > len(disconnected) else None,
         "good_requests": good,

@@ -137,7 +137,8 @@ async def collect(request, parsed, handle, queue, engine, rid, name) -> Response
     if ev.reason not in ("stop", "length"):
         raise failure(engine, ev)
     parts.append(ev.text)
-    return JSONResponse(openai.full_response(parsed, rid, name, "".join(parts), ev.reason, usage_of(ev)))
+    return JSONResponse(openai.full_response(parsed, rid, name, "".join(parts), ev.reason, usage_of(ev),
+                                             openai.timings(ev.queued_s, ev.prefill_s)))
 
 
 async def stream(parsed, queue, engine, chunks: ChunkMaker):
@@ -153,7 +154,7 @@ async def stream(parsed, queue, engine, chunks: ChunkMaker):
             if ev.reason in ("stop", "length"):
                 yield chunks.text(ev.text, ev.reason)
                 if parsed.include_usage:
-                    yield chunks.usage(usage_of(ev))
+                    yield chunks.usage(usage_of(ev), openai.timings(ev.queued_s, ev.prefill_s))
             else:
                 yield openai.sse(failure(engine, ev).body())
             yield DONE

@@ -191,16 +191,29 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def full_response(p: Parsed, rid: str, model: str, text: str, finish_reason: str, use: dict) -> dict:
+def timings(queued_s: float | None, prefill_s: float | None) -> dict:
+    """Where a request's time to first token went, server side (as llama.cpp's server answers
+    `timings`): waiting for a row, then prefilling until the first token was committed."""
+    def ms(s):
+        return None if s is None else round(s * 1e3, 3)
+    return {"queued_ms": ms(queued_s), "prefill_ms": ms(prefill_s)}
+
+
+def full_response(p: Parsed, rid: str, model: str, text: str, finish_reason: str, use: dict,
+                  times: dict | None = None) -> dict:
     created = int(time.time())
     if p.chat:
-        return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                             "logprobs": None, "finish_reason": finish_reason}],
-                "usage": use}
-    return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
-            "usage": use}
+        out = {"id": rid, "object": "chat.completion", "created": created, "model": model,
+               "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                            "logprobs": None, "finish_reason": finish_reason}],
+               "usage": use}
+    else:
+        out = {"id": rid, "object": "text_completion", "created": created, "model": model,
+               "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+               "usage": use}
+    if times is not None:
+        out["timings"] = times
+    return out
 
 
 class ChunkMaker:
@@ -229,8 +242,12 @@ class ChunkMaker:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
         return self._chunk([choice])
 
-    def usage(self, use: dict) -> str:
-        return self._chunk([], use, with_usage=True)
+    def usage(self, use: dict, times: dict | None = None) -> str:
+        obj = {"id": self.rid, "object": "chat.completion.chunk" if self.p.chat else "text_completion",
+               "created": self.created, "model": self.model, "choices": [], "usage": use}
+        if times is not None:
+            obj["timings"] = times
+        return sse(obj)
 
 
 def sse(obj) -> str:

@@ -101,6 +101,20 @@ def test_metrics_split_step_durations_by_kind_and_show_the_event_loop_lag(srv):
     assert after["server_event_loop_lag_seconds_sum"] >= 0
 
 
+def test_answers_say_where_the_time_to_first_token_went(srv):
+    """`timings`: queued for a row, then prefill to the first token, in the whole answer and in
+    a stream's usage chunk; the load tests put both in their report."""
+    c = srv.complete(prompt="where did the time go", max_tokens=3, temperature=0)
+    t = c["timings"]
+    assert set(t) == {"queued_ms", "prefill_ms"} and t["queued_ms"] >= 0 and t["prefill_ms"] > 0, t
+    r = srv.client.post("/v1/completions", json={"prompt": "and in a stream", "max_tokens": 3, "stream": True,
+                                                  "stream_options": {"include_usage": True}})
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    last = events[-1]
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 3
+    assert last["timings"]["prefill_ms"] > 0 and last["timings"]["queued_ms"] >= 0
+
+
 def test_completion_and_chat_shapes(srv):
     c = srv.complete(prompt="Hello", max_tokens=5, temperature=0, ignore_eos=True)
     assert c["object"] == "text_completion" and c["id"] and isinstance(c["created"], int) and c["model"]
