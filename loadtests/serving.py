@@ -133,7 +133,9 @@ async def run_level(url: str, model: str, prompts: list[str], plan: LevelPlan, e
     `end` are relative to the record's `t_sent`."""
     loop = _Loop(plan)
     c = plan.concurrency
-    limits = httpx.Limits(max_connections=c + 4, max_keepalive_connections=c + 4)
+    # A connection of its own per request: llama.cpp's HTTP server may close a kept-alive one
+    # just as the next request goes out on it, which a pooled client reports as an error.
+    limits = httpx.Limits(max_connections=c + 4, max_keepalive_connections=0)
     async with httpx.AsyncClient(base_url=url, limits=limits) as client:
 
         async def worker() -> None:
