@@ -25,7 +25,7 @@ from dataclasses import replace
 import httpx
 
 from poot.loadtests import convoy as convoy_mod
-from poot.loadtests import report, scrape, stats
+from poot.loadtests import memory, report, scrape, stats
 from poot.loadtests.server_proc import BundledServer
 from poot.loadtests.workloads import DESCRIPTIONS, SCENARIOS, Lengths, build, scenario_config
 
@@ -88,6 +88,14 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--idle-timeout", type=float, default=15.0, help="seconds to wait for the server to go idle")
     r.add_argument("--scrape-interval", type=float, default=0.5)
     r.add_argument("--locust-args", default="", help="extra locust options (e.g. for --master)")
+    m = p.add_argument_group("soak: the server's resident memory")
+    m.add_argument("--rss-interval", type=float, default=2.0, help="seconds between RSS samples")
+    m.add_argument("--soak-warmup", type=float, help="seconds of warm-up before the slope is fitted "
+                   "(default: a quarter of --run-time, at most 300)")
+    m.add_argument("--rss-slope-limit", type=float, default=1.0, help="MB per minute the RSS may grow after "
+                   "warm-up")
+    m.add_argument("--rss-min-window", type=float, default=600.0, help="seconds after warm-up needed to judge "
+                   "the slope (shorter runs report it only)")
     r.add_argument("--quiet", action="store_true")
     return p
 
@@ -160,6 +168,11 @@ def checks_for(scenario: str, records: list[dict], idle: dict, a) -> dict:
         else:
             b["text"] = "no stream was decoding when the burst arrived (make decoders longer or the burst earlier)"
         checks["burst: decode gap within limit"] = b
+    if scenario == "soak":
+        errors = [r for r in records if r.get("status") == "error"]
+        checks["no errors"] = {"ok": bool(records) and not errors,
+                               "text": f"{len(errors)} errors in {len(records)} requests" + (
+                                   f" (first: {errors[0].get('error')})" if errors else "")}
     leavers = [r for r in records if r.get("status") == "disconnected"]
     if leavers:
         checks["disconnects recorded"] = {"ok": True, "text": f"{len(leavers)} clients left mid-request"}
@@ -183,13 +196,24 @@ def run_scenario(a) -> int:
             cfg = replace(cfg, model=discover_model(url))
         _say(a, f"{a.scenario}: {DESCRIPTIONS.get(a.scenario, '')}\ntarget {url}, model {cfg.model}, report {out}")
         scraper = scrape.Scraper(url, a.scrape_interval).start()
+        rss = None
+        if cfg.cycle:
+            rss = memory.RssSampler(server.pid if server else None, url, a.rss_interval).start()
         started = time.strftime("%Y-%m-%d %H:%M:%S")
         users = cfg.concurrency if cfg.mode == "closed" else max(cfg.concurrency, 32 if a.concurrency is None else 0)
         specs = build(cfg)
         users = max(1, min(users, len(specs)))
+        t_load = time.time()
         code = run_locust(url, cfg, out, users, a.run_time, a.locust_args, a.quiet)
+        t_load_end = time.time()
         idle = scrape.wait_idle(url, a.idle_timeout)
         samples = scraper.stop()
+        mem = None
+        if rss is not None:
+            warmup = a.soak_warmup if a.soak_warmup is not None else min(300.0, 0.25 * a.run_time)
+            mem = memory.summarize(rss.stop(), t_load + warmup, t_load_end, a.rss_slope_limit,
+                                   a.rss_min_window, rss.source)
+            mem.update(t_load=t_load, t_load_end=t_load_end, series=rss.samples)
         records = report.load_records(out)
         slo = stats.Slo(None if a.slo_ttft_ms is None else a.slo_ttft_ms / 1e3,
                         None if a.slo_gap_p99_ms is None else a.slo_gap_p99_ms / 1e3)
@@ -197,12 +221,15 @@ def run_scenario(a) -> int:
                 "started": started, "config": cfg.as_dict(), "planned_requests": len(specs), "users": users,
                 "run_time_bound_s": a.run_time, "locust_exit_code": code}
         checks = checks_for(a.scenario, records, idle, a)
-        summary = report.write_report(out, records, samples, meta, slo, checks)
+        if mem is not None:
+            checks["RSS flat after warm-up"] = {k: v for k, v in mem.items() if k != "series"}
+        summary = report.write_report(out, records, samples, meta, slo, checks, memory=mem)
     finally:
         if server is not None:
             server.stop()
     st = summary["stats"]
-    _say(a, f"requests {st['requests']}/{len(specs)} ok {st['ok']} errors {st['errors']} left {st['disconnected']}; "
+    planned = "" if cfg.cycle else f"/{len(specs)}"
+    _say(a, f"requests {st['requests']}{planned} ok {st['ok']} errors {st['errors']} left {st['disconnected']}; "
             f"output {st['output_throughput'] or 0:.0f} tok/s; TTFT p50 {_ms(st['ttft']['p50'])} "
             f"p99 {_ms(st['ttft']['p99'])}; gap p50 {_ms(st['itl']['p50'])} p99 {_ms(st['itl']['p99'])} "
             f"max {_ms(st['itl']['max'])}; goodput {_pct(st['goodput'])}")

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from poot.loadtests.client import stream_into
 from poot.loadtests.sse import StreamRecorder
 from poot.loadtests.stats import describe, gaps, percentile
 from poot.loadtests.workloads import Lengths, LoadConfig, RequestSpec, build, request_body
@@ -54,22 +55,7 @@ POLICIES = ("static", "dynamic", "continuous")
 async def _stream(client: httpx.AsyncClient, cfg: LoadConfig, spec: RequestSpec, arrival: float) -> dict:
     path, body = request_body(spec, cfg)
     rec_ = StreamRecorder(t_sent=time.perf_counter())
-    status, err = "ok", None
-    try:
-        async with client.stream("POST", path, json=body, timeout=cfg.timeout_s) as resp:
-            if resp.status_code != 200:
-                await resp.aread()
-                status, err = "error", f"HTTP {resp.status_code}: {resp.text[:160]}"
-            else:
-                async for data in resp.aiter_raw():
-                    rec_.feed(data)
-        rec_.finish()
-        if status == "ok" and (rec_.error or not rec_.chunks):
-            status, err = "error", rec_.error or "no tokens"
-    except httpx.HTTPError as exc:
-        status, err = "error", f"{type(exc).__name__}: {exc}"[:160]
-        if rec_.end is None:
-            rec_.finish()
+    status, err = await stream_into(client, path, body, cfg.timeout_s, rec_)
     rec = rec_.record()
     rec.update(id=spec.id, status=status, error=err, t_arrival=arrival, t_sent=rec_.t_sent,
                max_tokens=spec.max_tokens)

@@ -16,7 +16,8 @@ streamed responses.
 Arrivals: in open loop every user takes the next spec and sleeps until its scheduled time, so
 the users form a pool that bounds requests in flight (size it with -u); a spec that starts
 late because the pool was busy records the lag. In closed loop each user sends the next spec
-as soon as its previous one ended. The run ends when the workload is used up (or at -t).
+as soon as its previous one ended. The run ends when the workload is used up (or at -t); with
+`cycle` (the soak) a closed loop starts the list again and the run ends at -t only.
 
 Distributed: pass `--poot-workers N` to the master; worker i of N takes specs i, i+N, ...
 Each worker writes its own JSONL file; when all workers are done the master stops the test.
@@ -78,11 +79,12 @@ class _Plan:
         self.finished = False
 
     def take(self):
-        if self.next >= len(self.specs):
+        """The next spec and its sequence number, or None when the workload is used up."""
+        if not self.specs or (self.next >= len(self.specs) and not self.cfg.cycle):
             return None
-        spec = self.specs[self.next]
+        seq = self.next
         self.next += 1
-        return spec
+        return self.specs[seq % len(self.specs)], seq
 
     def write(self, rec: dict) -> None:
         self.sink.write(json.dumps(rec) + "\n")
@@ -134,11 +136,12 @@ class LlmUser(HttpUser):
     @task
     def one_request(self):
         plan = plan_for(self.environment)
-        spec = plan.take()
-        if spec is None:
+        taken = plan.take()
+        if taken is None:
             if plan.in_flight == 0:
                 _all_done(self.environment)
             raise StopUser()
+        spec, seq = taken
         # Counted from the moment it is taken: a user sleeping until its arrival time holds it.
         plan.in_flight += 1
         try:
@@ -150,11 +153,12 @@ class LlmUser(HttpUser):
                     gevent.sleep(delay)
             rec = self.stream(plan.cfg, spec)
             rec["t_scheduled"] = scheduled
+            rec["seq"] = seq
             plan.write(rec)
             self.fire(rec)
         finally:
             plan.in_flight -= 1
-        if plan.next >= len(plan.specs) and plan.in_flight == 0:
+        if plan.next >= len(plan.specs) and plan.in_flight == 0 and not plan.cfg.cycle:
             _all_done(self.environment)
 
     def stream(self, cfg: LoadConfig, spec) -> dict:

@@ -178,6 +178,36 @@ def plot_timeline(records: Sequence[dict], samples: Sequence[dict], path: str) -
     return path
 
 
+def plot_rss(mem: dict, path: str) -> str:
+    """The server's RSS over the run, the end of warm-up, and the least-squares line after it."""
+    series = mem.get("series") or []
+    fig, ax = plt.subplots(figsize=(10, 3.6))
+    if series:
+        t0 = series[0][0]
+        ax.plot([t - t0 for t, _ in series], [v / 1e6 for _, v in series], color="tab:blue", lw=1,
+                label=f"RSS ({mem.get('source') or '?'})")
+        warm = t0 + mem.get("warmup_s", 0.0)
+        ax.axvline(warm - t0, color="gray", ls="--", lw=1, label="end of warm-up")
+        slope = mem.get("slope_mb_per_min")
+        end = mem.get("t_load_end", series[-1][0])
+        after = [(t, v) for t, v in series if warm <= t <= end]
+        if slope is not None and len(after) >= 2:
+            mt = sum(t for t, _ in after) / len(after)
+            mv = sum(v for _, v in after) / len(after) / 1e6
+            xs = [after[0][0], after[-1][0]]
+            ax.plot([x - t0 for x in xs], [mv + slope * (x - mt) / 60 for x in xs], color="tab:red", lw=1.5,
+                    label=f"fit after warm-up: {slope:+.2f} MB/min")
+    ax.set_xlabel("seconds since the server was ready")
+    ax.set_ylabel("resident memory (MB)")
+    ax.set_title("Server resident memory")
+    ax.grid(alpha=0.3)
+    _legend(ax, loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot_convoy(results: Sequence[dict], samples: Sequence[dict], path: str) -> str:
     """TTFT CDF per policy, and the server's running requests during each phase."""
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
@@ -279,6 +309,21 @@ def markdown(summary: dict, plots: Sequence[str] = ()) -> str:
     us = summary.get("usage", {})
     if us.get("cached_tokens") is not None:
         lines.append(f"- usage: {us['cached_tokens']} of {us['prompt_tokens']} prompt tokens served from cache")
+    mem = summary.get("memory")
+    if mem:
+        lines += ["", "## Server resident memory", ""]
+        if mem.get("available"):
+            lines += ["| start (MB) | after warm-up (MB) | end (MB) | peak (MB) | warm-up (s) | window (s) | "
+                      "slope after warm-up (MB/min) | bound (MB/min) | source |",
+                      "|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+                      f"| {_f(mem['start_mb'])} | {_f(mem['warmup_mb'])} | {_f(mem['end_mb'])} | "
+                      f"{_f(mem['peak_mb'])} | {_f(mem['warmup_s'], 1, 0)} | {_f(mem['window_s'], 1, 0)} | "
+                      f"{_f(mem['slope_mb_per_min'], 1, 3)} | {mem['limit_mb_per_min']} | {mem['source']} |", "",
+                      f"{mem['samples']} samples. The slope is the least-squares line through the samples "
+                      f"after warm-up; it is judged against the bound when that window spans at least "
+                      f"{mem['min_window_s']:.0f} s, and reported otherwise."]
+        else:
+            lines.append(mem.get("text", "no RSS source"))
     checks = summary.get("checks") or {}
     if checks:
         lines += ["", "## Checks", ""]
@@ -293,11 +338,16 @@ def markdown(summary: dict, plots: Sequence[str] = ()) -> str:
 
 
 def write_report(folder: str, records: Sequence[dict], samples: Sequence[dict], meta: dict,
-                 slo: stats.Slo, checks: dict | None = None) -> dict:
+                 slo: stats.Slo, checks: dict | None = None, memory: dict | None = None) -> dict:
+    """`memory` (the soak): memory.summarize's figures plus "series" (wall time, bytes)."""
     os.makedirs(folder, exist_ok=True)
     summary = build_summary(records, samples, meta, slo, checks)
     plots = [plot_latency(records, os.path.join(folder, "latency_cdf.png"), slo),
              plot_timeline(records, samples, os.path.join(folder, "timeline.png"))]
+    if memory is not None:
+        summary["memory"] = memory
+        if memory.get("available"):
+            plots.append(plot_rss(memory, os.path.join(folder, "rss.png")))
     if samples:
         write_samples_csv(samples, os.path.join(folder, "server_metrics.csv"))
     with open(os.path.join(folder, "summary.json"), "w", encoding="utf-8") as f:

@@ -14,7 +14,7 @@ TRACKED = ("engine_requests_running", "engine_requests_waiting", "kv_blocks_in_u
            "kv_blocks_total", "kv_blocks_cached", "prefix_cache_hit_rate", "engine_steps_total",
            "generation_tokens_total", "prompt_tokens_total", "spec_drafted_tokens_total",
            "spec_accepted_tokens_total", "engine_compiles", "prefix_cache_queried_tokens_total",
-           "prefix_cache_hit_tokens_total")
+           "prefix_cache_hit_tokens_total", "process_resident_memory_bytes")
 
 
 def parse_metrics(text: str) -> dict[str, float]:

@@ -1,8 +1,10 @@
-"""Starts the bundled server on a free loopback port and stops it afterwards."""
+"""Starts a server on a free loopback port and stops it afterwards: the bundled server, or
+any command line with `{port}` in it (llama.cpp's server, vLLM, ...)."""
 
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -19,22 +21,41 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve_command(port: int, model: str = "synthetic", extra: list[str] | None = None) -> list[str]:
+def poot_serve_exe() -> str:
+    """poot-serve next to this Python, else on PATH."""
     exe = os.path.join(os.path.dirname(sys.executable), "poot-serve")
     if not os.path.exists(exe):
         exe = shutil.which("poot-serve") or exe
-    return [exe, "--model", model, "--host", "127.0.0.1", "--port", str(port)] + list(extra or [])
+    return exe
 
 
-class BundledServer:
-    """Context manager: `with BundledServer() as url: ...`."""
+def serve_command(port: int, model: str = "synthetic", extra: list[str] | None = None) -> list[str]:
+    return [poot_serve_exe(), "--model", model, "--host", "127.0.0.1", "--port", str(port)] + list(extra or [])
 
-    def __init__(self, model: str = "synthetic", extra: list[str] | None = None, startup_timeout: float = 60.0,
-                 log_path: str | None = None):
-        self.model = model
-        self.extra = extra or []
+
+def is_ready(url: str, timeout: float = 1.0) -> bool:
+    """GET /health answers 200, or GET /v1/models does (servers without /health)."""
+    for path in ("/health", "/v1/models"):
+        try:
+            if httpx.get(url + path, timeout=timeout).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+    return False
+
+
+class CommandServer:
+    """A server started from an argument list, or a command line in which `{port}` is replaced
+    by a free port. Ready once `is_ready`; stopped with SIGINT, then SIGTERM, then SIGKILL.
+
+    Context manager: `with CommandServer("my-server --port {port}") as url: ...`."""
+
+    def __init__(self, command: str | list[str], startup_timeout: float = 60.0, log_path: str | None = None,
+                 name: str = "server"):
+        self.command = command
         self.startup_timeout = startup_timeout
         self.log_path = log_path
+        self.name = name
         self.proc: subprocess.Popen | None = None
         self.port = 0
         self._log = None
@@ -43,36 +64,53 @@ class BundledServer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+    def argv(self, port: int) -> list[str]:
+        if isinstance(self.command, str):
+            args = shlex.split(self.command.replace("{port}", str(port)))
+        else:
+            args = [a.replace("{port}", str(port)) for a in self.command]
+        if args and os.sep not in args[0] and shutil.which(args[0]) is None:
+            beside = os.path.join(os.path.dirname(sys.executable), args[0])
+            if os.path.exists(beside):  # e.g. poot-serve in this Python's venv, not activated
+                args[0] = beside
+        return args
+
     def start(self) -> str:
         self.port = free_port()
-        cmd = serve_command(self.port, self.model, self.extra)
+        cmd = self.argv(self.port)
         self._log = open(self.log_path, "w", encoding="utf-8") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
+        # A session of its own: a Ctrl-C meant for the caller does not reach the server first.
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     start_new_session=True)
         deadline = time.time() + self.startup_timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"poot-serve exited with code {self.proc.returncode} before it was healthy "
-                                   f"(command: {' '.join(cmd)})")
-            try:
-                r = httpx.get(self.url + "/health", timeout=1.0)
-                if r.status_code == 200:
-                    return self.url
-            except httpx.HTTPError:
-                pass
+                code = self.proc.returncode
+                self.stop()
+                raise RuntimeError(f"{self.name} exited with code {code} before it was ready "
+                                   f"(command: {shlex.join(cmd)})")
+            if is_ready(self.url):
+                return self.url
             time.sleep(0.2)
         self.stop()
-        raise RuntimeError(f"poot-serve did not answer GET /health with 200 within {self.startup_timeout:.0f}s")
+        raise RuntimeError(f"{self.name} answered neither GET /health nor GET /v1/models with 200 within "
+                           f"{self.startup_timeout:.0f}s (command: {shlex.join(cmd)})")
 
     def stop(self) -> int | None:
         if self.proc is None:
             return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
+        for sig, wait in ((signal.SIGINT, 15), (signal.SIGTERM, 5), (signal.SIGKILL, 5)):
+            if self.proc.poll() is not None:
+                break
+            self.proc.send_signal(sig)
             try:
-                self.proc.wait(timeout=10)
+                self.proc.wait(timeout=wait)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=5)
+                continue
         if self._log not in (None, subprocess.DEVNULL):
             self._log.close()
         code = self.proc.returncode
@@ -84,3 +122,16 @@ class BundledServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class BundledServer(CommandServer):
+    """poot-serve on MODEL (synthetic by default) with extra options."""
+
+    def __init__(self, model: str = "synthetic", extra: list[str] | None = None, startup_timeout: float = 60.0,
+                 log_path: str | None = None):
+        self.model = model
+        self.extra = extra or []
+        super().__init__(serve_command(0, model, self.extra), startup_timeout, log_path, name="poot-serve")
+
+    def argv(self, port: int) -> list[str]:
+        return serve_command(port, self.model, self.extra)

@@ -53,6 +53,21 @@ def gaps(times: Sequence[float]) -> list[float]:
     return [b - a for a, b in zip(times, times[1:], strict=False)]
 
 
+def gap_ratio(g: Sequence[float], clump: float = 0.25) -> dict | None:
+    """One stream's largest gap over its typical gap: the median, or the mean when the median is
+    under `clump` times the mean (chunks read in clumps give many gaps near 0, and a median of
+    those says nothing). None under three gaps or when every gap is 0."""
+    if len(g) < 3 or max(g) <= 0:
+        return None
+    med = percentile(g, 50)
+    mean = sum(g) / len(g)
+    typical, basis = med, "median"
+    if med < clump * mean:
+        typical, basis = mean, "mean"
+    return {"ratio": max(g) / typical, "max_gap": max(g), "typical_gap": typical, "median_gap": med,
+            "basis": basis}
+
+
 @dataclass(frozen=True)
 class Slo:
     """Objectives for goodput; None means not constrained."""

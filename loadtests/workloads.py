@@ -85,6 +85,8 @@ class LoadConfig:
     ignore_eos: bool = True
     include_usage: bool = True
     timeout_s: float = 60.0         # per request
+    cycle: bool = False             # closed loop: start the list again when it is used up (the
+                                    # run then ends at its time bound only)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -233,6 +235,8 @@ SCENARIOS: dict[str, dict] = {
     "quote": dict(mode="open", rate=2.0, requests=16, quote=True, prompt=Lengths("uniform", 120, 220)),
     "smoke": dict(mode="open", rate=6.0, requests=16, shared_prefix=64, disconnect_share=0.25,
                   prompt=Lengths("uniform", 16, 64), output=Lengths("uniform", 8, 64)),
+    "soak": dict(mode="closed", concurrency=64, requests=256, cycle=True, disconnect_share=0.25,
+                 prompt=Lengths("uniform", 16, 128), output=Lengths("uniform", 16, 128)),
 }
 
 DESCRIPTIONS = {
@@ -244,6 +248,7 @@ DESCRIPTIONS = {
     "disconnect": "disconnect storm: most clients leave at a random point; server must end idle",
     "quote": "prompts that ask to repeat a passage they contain (speculative decoding)",
     "smoke": "short mixed run: shared prefix and some disconnects, for CI",
+    "soak": "64 closed-loop streams, a quarter hanging up mid-stream, for --run-time; RSS must stay flat",
     "convoy": "static vs dynamic vs continuous client dispatch, same workload (see README)",
 }
 

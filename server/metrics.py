@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from prometheus_client import ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
 
@@ -106,6 +107,9 @@ def loop_lag_family(lag) -> HistogramMetricFamily:
 
 
 def make_registry(state) -> CollectorRegistry:
+    """The engine's metrics, and the process's own (process_resident_memory_bytes, CPU seconds,
+    open files; read from /proc, so exported on Linux only)."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(EngineCollector(state))
+    ProcessCollector(registry=registry)
     return registry

@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -76,6 +77,8 @@ def test_health_models_and_metrics(srv):
                  "spec_accepted_tokens_total"):
         assert name in m, name
     assert m["engine_rows"] == plan["rows"] and m["kv_blocks_total"] == plan["num_blocks"]
+    if sys.platform == "linux":  # the process collector reads /proc
+        assert m["process_resident_memory_bytes"] > 1e6
     text = srv.client.get("/metrics").text
     assert "# HELP engine_steps_total " in text and "# TYPE engine_steps_total counter" in text
 

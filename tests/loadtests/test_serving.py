@@ -1,0 +1,170 @@
+"""The side-by-side serving benchmark (benchmarks/bench_serving.py, poot.loadtests.serving):
+its figures on recorded data, a whole run against two throwaway SSE servers, and a short run
+against the bundled server on the synthetic model. Structure and plausibility only: speed is
+what the benchmark prints, never what a test asserts."""
+
+import json
+
+import pytest
+
+from poot.loadtests import serving
+from poot.loadtests.english import SENTENCES, prompt_set
+
+from .fakeserver import FakeServer
+
+
+def _rec(i, kind, t_sent, chunks, status="ok", tokens=None, prompt=40):
+    return {"i": i, "k": i, "kind": kind, "prompt_index": i, "t_sent": t_sent, "chunks": chunks,
+            "end": (chunks[-1] + 0.001) if chunks else 0.0, "status": status, "error": None,
+            "completion_tokens": len(chunks) if tokens is None and status == "ok" else tokens,
+            "prompt_tokens": prompt if status == "ok" else None, "cached_tokens": 0}
+
+
+def test_prompts_are_distinct_english_and_seeded():
+    a, b = prompt_set(0), prompt_set(1)
+    assert len(a) == len(set(a)) == 64 and a == prompt_set(0) and a != b
+    assert all(any(s.startswith(p[:40]) for s in SENTENCES) for p in a)  # each opens a sentence
+    assert len({p[:30] for p in a}) == 64  # ... a sentence of its own
+    lengths = [len(p) for p in prompt_set(0, chars_per_token=1.0)]  # in characters: the targets
+    assert 10 <= min(lengths) and max(lengths) <= 186
+
+
+@pytest.mark.realmodel
+def test_prompt_lengths_in_smollm2_tokens():
+    """With the request tag the benchmark adds, seed 0's prompts are 28 to 189 SmolLM2 tokens."""
+    from poot.engine.models import load_model
+
+    model = load_model(None)
+    for i, p in enumerate(prompt_set(0)):
+        for k in (i, i + 64 * 1500):  # the shortest and a five-digit tag
+            n = len(model.encode_prompt(f"Request {k}. {p}"))
+            assert 28 <= n <= 189, (k, n)
+
+
+def test_bucket_quantile_interpolates_and_clamps():
+    buckets = [(0.001, 0.0), (0.01, 50.0), (0.1, 100.0), (float("inf"), 100.0)]
+    assert serving.bucket_quantile(buckets, 0.5) == pytest.approx(0.01)
+    assert serving.bucket_quantile(buckets, 0.75) == pytest.approx(0.055)
+    assert serving.bucket_quantile(buckets, 0.99, largest=0.05) == 0.05
+    assert serving.bucket_quantile([(1.0, 0.0), (float("inf"), 0.0)], 0.5) is None
+
+
+def test_level_summary_counts_the_measured_window():
+    # C = 2: two warm-ups, three measured, one cool-down hung up on; a token every 10 ms.
+    ticks = [0.01 * j for j in range(1, 11)]
+    records = [_rec(0, "warmup", 0.0, ticks), _rec(1, "warmup", 0.0, ticks),
+               _rec(2, "measured", 0.11, ticks), _rec(3, "measured", 0.11, ticks),
+               _rec(4, "measured", 0.22, ticks[:9] + [0.2]),
+               _rec(5, "cooldown", 0.22, ticks[:5], status="cancelled")]
+    s = serving.level_summary(records, serving.LevelPlan(2, 2, 3, max_tokens=10))
+    assert s["requests"] == {"measured": 3, "ok": 3, "warmup": 2, "cooldown": 1, "cancelled": 1}
+    assert s["errors"] == 0 and s["output_tokens"]["short"] == 0 and s["output_tokens"]["tokens_per_chunk"] == 1
+    # Window: 0.11 .. 0.421, the three measured streams and the cool-down's five chunks; the
+    # warm-ups ended before it.
+    assert s["window_s"] == pytest.approx(0.311)
+    assert s["window_tokens"] == 30 + 5
+    assert s["ttft"]["count"] == 3 and s["ttft"]["p50"] == pytest.approx(0.01)
+    assert s["itl"]["count"] == 27 and s["itl"]["p50"] == pytest.approx(0.01)
+    assert s["itl"]["max"] == pytest.approx(0.11)
+    g = s["gap_ratio"]
+    assert g["streams"] == 3 and g["worst"] == pytest.approx(11.0) and g["median"] == pytest.approx(1.0)
+    assert s["prompt_tokens"]["min"] == 40
+
+
+def test_metrics_delta_reads_step_histogram_and_compiles():
+    b = {"engine_compiles": 11.0, 'engine_step_duration_seconds_count{kind="decode"}': 10.0,
+         'engine_step_duration_seconds_sum{kind="decode"}': 0.1,
+         'engine_step_duration_seconds_bucket{kind="decode",le="0.01"}': 10.0,
+         'engine_step_duration_seconds_bucket{kind="decode",le="+Inf"}': 10.0,
+         'engine_step_duration_max_seconds{kind="decode"}': 0.009, "engine_steps_total": 10.0}
+    a = dict(b, **{'engine_step_duration_seconds_count{kind="decode"}': 20.0,
+                   'engine_step_duration_seconds_sum{kind="decode"}': 0.3,
+                   'engine_step_duration_seconds_bucket{kind="decode",le="+Inf"}': 20.0,
+                   'engine_step_duration_max_seconds{kind="decode"}': 0.05, "engine_steps_total": 20.0})
+    d = serving.metrics_delta(b, a)
+    st = d["steps"]["decode"]
+    assert st["count"] == 10 and st["mean_s"] == pytest.approx(0.02) and st["max_grew"] is True
+    assert st["p99_s"] <= 0.05 and d["compiles"] == {"before": 11.0, "after": 11.0}
+    assert d["totals"]["engine_steps_total"] == 10
+    assert serving.metrics_delta(None, a) == {"available": False}
+
+
+def test_server_options():
+    t = serving.parse_targets(["a=my-server --port {port}", "b=http://127.0.0.1:9/"])
+    assert t[0].command and t[1].url == "http://127.0.0.1:9"
+    serving.apply_bodies(t, ['b={"cache_prompt": false}'])
+    assert t[1].extra_body == {"cache_prompt": False} and t[0].extra_body is None
+    for bad in (["a=my-server"], ["nourl"], ["a=http://x", "a=http://y"]):
+        with pytest.raises(ValueError):
+            serving.parse_targets(bad)
+    with pytest.raises(ValueError):
+        serving.apply_bodies(t, ['c={"x": 1}'])
+    assert serving.main(["--server", "a=no-port-here"]) == 2
+
+
+def _check_run(data, names, levels, max_tokens, measured):
+    assert [s["name"] for s in data["servers"]] == names
+    for s in data["servers"]:
+        assert "error" not in s, s.get("error")
+        assert [lv["concurrency"] for lv in s["levels"]] == levels
+        for lv in s["levels"]:
+            assert lv["errors"] == 0, lv["error_kinds"]
+            assert lv["requests"]["measured"] == lv["requests"]["ok"] == measured
+            assert lv["requests"]["warmup"] == lv["concurrency"]
+            assert lv["output_tokens"] == {**lv["output_tokens"], "expected": max_tokens, "short": 0,
+                                           "with_usage": measured, "total": measured * max_tokens}
+            assert lv["out_tok_s"] > 0 and lv["window_s"] > 0 and lv["window_tokens"] >= max_tokens
+            assert lv["ttft"]["count"] == measured and lv["ttft"]["min"] >= 0
+            # A chunk may carry more than one token (a detokenizer holding back part of a character).
+            assert measured <= lv["itl"]["count"] <= measured * (max_tokens - 1) and lv["itl"]["min"] >= 0
+            assert lv["itl"]["p50"] <= lv["itl"]["p99"] <= lv["itl"]["max"]
+            assert lv["prompt_tokens"]["count"] == measured and lv["prompt_tokens"]["min"] > 0
+            for r in lv["records"]:
+                if r["kind"] == "measured":
+                    assert r["completion_tokens"] == max_tokens >= len(r["chunks"]) > 1
+                    assert r["chunks"] == sorted(r["chunks"]) and r["end"] >= r["chunks"][-1]
+                assert r["status"] in ("ok", "cancelled")
+    assert len(data["ratios"]) == len(levels) * (len(names) - 1)
+    for r in data["ratios"]:
+        assert r["base"] == names[0] and r["out_tok_s"] > 0
+
+
+def test_two_servers_side_by_side(tmp_path):
+    with FakeServer(step_s=0.002) as a, FakeServer(step_s=0.004) as b:
+        code = serving.main(["--server", f"a={a.url}", "--server", f"b={b.url}", "--extra-body",
+                             'b={"cache_prompt": false}', "--concurrency", "1,2", "--requests", "3",
+                             "--max-tokens", "6", "--chars-per-token", "1", "--quiet",
+                             "--json", str(tmp_path / "s.json"), "--markdown", str(tmp_path / "s.md")])
+        assert a.state.running == b.state.running == 0
+    assert code == 0
+    data = json.loads((tmp_path / "s.json").read_text())
+    _check_run(data, ["a", "b"], [1, 2], 6, 3)
+    assert data["servers"][1]["extra_body"] == {"cache_prompt": False}
+    assert len(set(data["prompt_texts"])) == 64
+    md = (tmp_path / "s.md").read_text()
+    assert "| C | server | out tok/s | TTFT p50 | ITL p50 / p99 / max |" in md
+    assert md.count("| a / b |") == 2 and "### Per server and level" in md
+
+
+@pytest.mark.slow
+def test_against_the_bundled_server(tmp_path):
+    """poot-serve --model synthetic started from its command, beside a fake peer by URL."""
+    with FakeServer(step_s=0.002) as peer:
+        code = serving.main(["--server", "poot=poot-serve --model synthetic --port {port}",
+                             "--server", f"peer={peer.url}", "--concurrency", "1,2", "--requests", "3",
+                             "--max-tokens", "8", "--chars-per-token", "1", "--quiet", "--logs", str(tmp_path),
+                             "--json", str(tmp_path / "s.json")])
+    assert code == 0
+    data = json.loads((tmp_path / "s.json").read_text())
+    _check_run(data, ["poot", "peer"], [1, 2], 8, 3)
+    poot = data["servers"][0]
+    assert poot["kind"] == "poot" and poot["exit_code"] is not None and poot["model"].startswith("synthetic")
+    for lv in poot["levels"]:
+        m = lv["metrics"]
+        assert set(m["steps"]) == {"decode", "mixed", "prefill"}
+        assert m["steps"]["decode"]["count"] > 0 and m["steps"]["decode"]["mean_s"] > 0
+        assert m["compiles"]["after"] >= m["compiles"]["before"] > 0
+        assert m["totals"]["generation_tokens_total"] >= lv["output_tokens"]["total"]
+        assert lv["cached_tokens"] == 0  # the request tag keeps the prefix cache out of it
+        assert lv["quiet_before"]["ok"] is True
+    assert (tmp_path / "poot.log").stat().st_size > 0
