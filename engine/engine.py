@@ -29,6 +29,7 @@ from .params import InvalidRequest, SamplingParams
 from .picker import Picker
 from .plan import Plan, fit_plan
 from .prefix_cache import PrefixCache
+from .random_stream import RandomStream, random_stream
 from .scheduler import Scheduled, Scheduler
 from .sequence import Sequence
 from .speculative import make_draft_policy
@@ -64,10 +65,11 @@ class Engine:
     def __init__(self, model, driver: Driver, plan: Plan, draft_policy=None, *,
                  scheduler: type[Scheduler] = Scheduler, prefix_cache: type[PrefixCache] = PrefixCache,
                  stop_checker: type[StopChecker] = StopChecker,
-                 random_stream: Callable[[int | list[int] | None], np.random.Generator] = np.random.default_rng):
+                 random_stream: Callable[[int | None, int], RandomStream] = random_stream):
         """`driver` must be prepared for `plan`; `Engine.create` does both. The scheduler, the
         prefix cache, the stop checker and each request's random stream (from its seed) are
-        the engine's parts, passed as the classes or function that build them."""
+        the engine's parts, passed as the classes or function that build them (the random
+        stream from the request's seed and the choice's index)."""
         self.model = model
         self.driver = driver
         self.plan = plan
@@ -261,10 +263,10 @@ class Engine:
             decode = self.model.tokenizer.decode
             seqs = []
             for i, handle in enumerate((job.handle, *job.more)):
-                # Choice 0 samples as the same request with n = 1 would; choice i from (seed, i).
-                seed = job.params.seed if i == 0 or job.params.seed is None else [job.params.seed, i]
+                # Choice 0 samples as the same request with n = 1 would; choice i draws from
+                # the same seed's stream i (a request without a seed gets a random one).
                 seqs.append(Sequence(handle, prompt, job.params, self.stop_checker(decode, job.params.stop),
-                                     self.random_stream(seed)))
+                                     self.random_stream(job.params.seed, i)))
             if job.more:
                 shared = choices.num_shared_blocks(len(prompt), self.plan.block_size, recurrent=self.plan.num_blocks == 0,
                                                    scores_prompt=job.params.prompt_logprobs is not None)

@@ -29,7 +29,7 @@ class Picker:
     def pick(self, logits: np.ndarray, seq: Sequence) -> Picked:
         params = seq.params
         z = logits_processors.apply(logits, params, seq.prompt, seq.output, self.eos_ids)
-        token = sampler.sample(z, params, seq.rng)
+        token = sampler.sample(z, params, 0.0 if params.greedy else seq.stream.uniform(len(seq.output)))
         if params.logprobs is None:
             return Picked(token)
         return Picked(token, token_logprob(z, token, params.logprobs))
