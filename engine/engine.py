@@ -23,10 +23,10 @@ import numpy as np
 
 from . import choices, logits_processors, logprobs
 from .blocks import BlockPool
-from .drivers.base import DeviceFault, Driver, StepRefused
+from .drivers.base import DeviceFault, Driver, StepOutput, StepRefused
 from .events import Accepted, Event, Finished, PromptLogprobs, Rejected, RequestHandle, Tokens
 from .params import InvalidRequest, SamplingParams
-from .picker import Picker
+from .picker import Picked, Picker
 from .plan import Plan, fit_plan
 from .prefix_cache import PrefixCache
 from .random_stream import RandomStream, random_stream
@@ -225,8 +225,8 @@ class Engine:
         self._take_jobs()
         self._release_cancelled()
         self._open_waiting()
-        scheduled, logits = self._step()
-        self._commit(scheduled, logits)
+        scheduled, out = self._step()
+        self._commit(scheduled, out)
         if scheduled:
             took = time.perf_counter() - began
             kind = kind_of(decoding=any(s.work.start >= len(s.seq.prompt) for s in scheduled),
@@ -322,10 +322,12 @@ class Engine:
             self.counters["prefix_hit_tokens"] += seq.num_cached
 
     # phase 4
-    def _step(self) -> tuple[list[Scheduled], np.ndarray | None]:
+    def _step(self) -> tuple[list[Scheduled], StepOutput | None]:
         scheduled = self.scheduler.schedule(self.driver.draft_policy)
         if not scheduled:
             return [], None
+        for s in scheduled:  # rows that need nothing but the sampler may be picked by the driver
+            s.work.pick = self.picker.device_pick(s.seq) if s.work.num_logits else None
         began = time.perf_counter()
         try:
             out = self.driver.step([s.work for s in scheduled])
@@ -336,7 +338,7 @@ class Engine:
         self.counters["steps"] += 1
         self.step_tokens.observe(sum(len(s.work.tokens) for s in scheduled),
                                  decoding=any(not s.seq.prefilling for s in scheduled))
-        return scheduled, out.logits
+        return scheduled, out
 
     def _refused(self, scheduled: list[Scheduled], e: StepRefused) -> None:
         """Nothing ran: only this step's requests fail, their rows and blocks go back."""
@@ -344,19 +346,25 @@ class Engine:
             self._finish(s.seq, "error", f"the driver refused the step: {e}")
 
     # phase 5
-    def _commit(self, scheduled: list[Scheduled], logits: np.ndarray | None) -> None:
-        offset = 0
+    def _commit(self, scheduled: list[Scheduled], out: StepOutput | None) -> None:
+        offset = host = 0  # the row's first logit index, and its first row of host logits
         for s in scheduled:
             seq, n = s.seq, s.work.num_logits
-            rows = logits[offset : offset + n]
+            ids = None if out.token_ids is None else out.token_ids[offset : offset + n]
             offset += n
+            on_device = ids is not None and n > 0 and ids[0] >= 0  # the driver picked the row's tokens
+            if on_device:
+                rows = ids
+            else:
+                rows = out.logits[host : host + n]
+                host += n
             scoring = seq.prefilling and seq.params.prompt_logprobs is not None
             seq.num_computed += len(s.work.tokens) if seq.prefilling else 0
             if scoring:
                 rows = self._score_prompt(seq, s.work.start, rows)
             if len(rows) == 0:
                 continue  # a prefill chunk that did not reach the prompt's end
-            self._commit_row(seq, rows, s.drafts)
+            self._commit_row(seq, rows, s.drafts, on_device)
 
     def _score_prompt(self, seq: Sequence, start: int, rows: np.ndarray) -> np.ndarray:
         """Echo: scores the chunk's prompt tokens; returns the rows left to pick from (the
@@ -372,13 +380,14 @@ class Engine:
             return rows[:0]
         return rows[-1:]
 
-    def _commit_row(self, seq: Sequence, rows: np.ndarray, drafts: list[int]) -> None:
+    def _commit_row(self, seq: Sequence, rows: np.ndarray, drafts: list[int], on_device: bool = False) -> None:
         """Keeps tokens up to EOS, a stop string or max_tokens; with drafts, the accepted
-        ones and one more from the target."""
+        ones and one more from the target. `rows`: the positions' logits, or (`on_device`)
+        the tokens the driver picked at them."""
         was_decoding = bool(seq.output)
         kept, text, reason, scores = [], [], None, []
         for i in range(len(rows)):
-            picked = self.picker.pick(rows[i], seq)
+            picked = Picked(int(rows[i])) if on_device else self.picker.pick(rows[i], seq)
             token = picked.token
             if picked.logprob is not None:
                 scores.append(picked.logprob)

@@ -79,8 +79,10 @@ def _windows(rows: int, cols: int, limit: int) -> list[tuple[int, int]]:
 
 
 class WgpuDriver(Driver):
-    def __init__(self, backend: str = "wgpu", adapter=None, memory_bytes: int | None = None):
+    def __init__(self, backend: str = "wgpu", adapter=None, memory_bytes: int | None = None,
+                 device_picks: bool = True):
         super().__init__()
+        self.device_picks = device_picks  # False: every row's logits are read back
         self._memory = memory_bytes  # None: what the adapter offers
         self.backend = backend
         self.adapter = adapter if adapter is not None else pick_adapter(backend)  # NoAdapter without wgpu-py
