@@ -18,6 +18,7 @@ import numpy as np
 
 from poot.engine import SamplingParams, sampler
 from poot.engine.picker import Picker
+from poot.engine.random_stream import random_stream
 from poot.engine.sequence import Sequence
 
 VOCAB = 49152
@@ -41,12 +42,12 @@ def host_side() -> None:
     prompt, output = list(rng.integers(0, VOCAB, 500)), list(rng.integers(0, VOCAB, 100))
 
     def seq(**kw) -> Sequence:
-        s = Sequence(None, prompt, SamplingParams(temperature=0, **kw), None, np.random.default_rng(0))
+        s = Sequence(None, prompt, SamplingParams(temperature=0, **kw), None, random_stream(0))
         s.output = output
         return s
 
     cases = {
-        "sampler alone (before this change)": lambda: sampler.sample(logits, SamplingParams(temperature=0), None),
+        "sampler alone (before this change)": lambda: sampler.sample(logits, SamplingParams(temperature=0), 0.0),
         "picker, plain request": (lambda s: lambda: picker.pick(logits, s))(seq()),
         "picker, logprobs 0": (lambda s: lambda: picker.pick(logits, s))(seq(logprobs=0)),
         "picker, logprobs 5": (lambda s: lambda: picker.pick(logits, s))(seq(logprobs=5)),

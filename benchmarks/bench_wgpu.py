@@ -1,5 +1,8 @@
 """The wgpu driver's step times on this machine's adapter (lavapipe on a CPU machine):
 decode steps at a few row counts and one prefill chunk, on the synthetic model or SmolLM2.
+Each decode step is timed three ways: the host picks (the step reads back every row's
+logits, then the host's sampler picks greedily), the device picks greedily (the step reads
+back one token id per row), and the device samples (temperature 0.8, top-k 50, top-p 0.9).
 Speed on lavapipe is reported, not a target. Run it in a process of its own (lavapipe's
 threads and BLAS's fight on a small machine):
 
@@ -27,10 +30,12 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args(argv)
 
-    from poot.engine.drivers.base import RowWork
+    from poot.engine import SamplingParams, sampler
+    from poot.engine.drivers.base import Pick, RowWork
     from poot.engine.drivers.wgpu_driver import WgpuDriver
     from poot.engine.models import load_model
     from poot.engine.plan import fit_plan
+    from poot.engine.random_stream import random_stream
 
     model = load_model(args.model)
     driver = WgpuDriver(args.backend)
@@ -50,22 +55,42 @@ def main(argv=None) -> int:
             n = min(plan.max_step_tokens, args.context - start)
             driver.step([RowWork(r, rng.integers(0, 200, n).astype(np.int32), start, table, 0)])
 
-    def timed(batch):
-        driver.step(batch)
-        t = time.perf_counter()
-        for _ in range(args.repeats):
-            driver.step(batch)
-        return (time.perf_counter() - t) / args.repeats
+    greedy = SamplingParams(temperature=0.0)
+    picks = {"host": None, "greedy": greedy,
+             "sampled": SamplingParams(temperature=0.8, top_k=50, top_p=0.9)}
 
-    print("phase     rows  tokens  step_ms  tok/s")
+    def timed(batches: dict) -> dict:
+        """Median seconds of each batch's step (and, for the host's, of its greedy pick
+        after it), the batches taken in turn within each repeat so that other work on a
+        small machine lands on all of them alike."""
+        times = {name: ([], []) for name in batches}
+        for batch in batches.values():
+            driver.step(batch)
+        for _ in range(args.repeats):
+            for name, batch in batches.items():
+                t = time.perf_counter()
+                out = driver.step(batch)
+                times[name][0].append(time.perf_counter() - t)
+                t = time.perf_counter()
+                if out.token_ids is None:
+                    for row in out.logits:
+                        sampler.sample(row, greedy, 0.0)
+                times[name][1].append(time.perf_counter() - t)
+        return {name: (float(np.median(a)), float(np.median(b))) for name, (a, b) in times.items()}
+
+    print("phase     rows  tokens  picked   step_ms  host_pick_ms  read_back_KiB  tok/s")
     for rows in args.rows:
-        batch = [RowWork(r, np.array([65], np.int32), args.context, tables[r], 1) for r in range(rows)]
-        s = timed(batch)
-        print(f"decode    {rows:4d}  {rows:6d}  {s * 1e3:7.1f}  {rows / s:5.1f}")
+        batches = {name: [RowWork(r, np.array([65], np.int32), args.context, tables[r], 1,
+                                  None if params is None else Pick(params, random_stream(r), args.context))
+                          for r in range(rows)] for name, params in picks.items()}
+        for name, (s, p) in timed(batches).items():
+            kib = rows * (model.config.vocab_size if picks[name] is None else 1) * 4 / 1024
+            print(f"decode    {rows:4d}  {rows:6d}  {name:7s}  {s * 1e3:7.1f}  {p * 1e3:12.2f}  {kib:13.1f}  "
+                  f"{rows / (s + p):5.1f}")
     n = min(args.prefill, plan.max_step_tokens)
     batch = [RowWork(0, rng.integers(0, 200, n).astype(np.int32), 0, tables[0], 1)]
-    s = timed(batch)
-    print(f"prefill   {1:4d}  {n:6d}  {s * 1e3:7.1f}  {n / s:5.1f}")
+    s, _ = timed({"prefill": batch})["prefill"]
+    print(f"prefill   {1:4d}  {n:6d}  host     {s * 1e3:7.1f}  {'':12s}  {'':13s}  {n / s:5.1f}")
     print(f"compiles after prepare: {driver.compiles - built}")
     return 0
 

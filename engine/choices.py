@@ -7,7 +7,7 @@ reserved once and mapped by every member (reference counts in the block pool, as
 hit maps a cached block). The first member opened (the writer) prefills them; the others
 start past them and are not stepped until the writer's KV covers them, then compute only
 the prompt's last, partial block, which each needs for its own outputs. After that each
-member is a sequence of its own: its own row, generator, stop rules, events and handle.
+member is a sequence of its own: its own row, random stream, stop rules, events and handle.
 
 A writer released before it filled the shared blocks (cancelled, or its step refused)
 hands the writing to the next running member, which resumes where the writer stopped.

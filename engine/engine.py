@@ -23,12 +23,13 @@ import numpy as np
 
 from . import choices, logits_processors, logprobs
 from .blocks import BlockPool
-from .drivers.base import DeviceFault, Driver, StepRefused
+from .drivers.base import DeviceFault, Driver, StepOutput, StepRefused
 from .events import Accepted, Event, Finished, PromptLogprobs, Rejected, RequestHandle, Tokens
 from .params import InvalidRequest, SamplingParams
-from .picker import Picker
+from .picker import Picked, Picker
 from .plan import Plan, fit_plan
 from .prefix_cache import PrefixCache
+from .random_stream import RandomStream, random_stream
 from .scheduler import Scheduled, Scheduler
 from .sequence import Sequence
 from .speculative import make_draft_policy
@@ -64,10 +65,11 @@ class Engine:
     def __init__(self, model, driver: Driver, plan: Plan, draft_policy=None, *,
                  scheduler: type[Scheduler] = Scheduler, prefix_cache: type[PrefixCache] = PrefixCache,
                  stop_checker: type[StopChecker] = StopChecker,
-                 random_stream: Callable[[int | list[int] | None], np.random.Generator] = np.random.default_rng):
+                 random_stream: Callable[[int | None, int], RandomStream] = random_stream):
         """`driver` must be prepared for `plan`; `Engine.create` does both. The scheduler, the
         prefix cache, the stop checker and each request's random stream (from its seed) are
-        the engine's parts, passed as the classes or function that build them."""
+        the engine's parts, passed as the classes or function that build them (the random
+        stream from the request's seed and the choice's index)."""
         self.model = model
         self.driver = driver
         self.plan = plan
@@ -224,8 +226,8 @@ class Engine:
         self._take_jobs()
         self._release_cancelled()
         self._open_waiting()
-        scheduled, logits = self._step()
-        self._commit(scheduled, logits)
+        scheduled, out = self._step()
+        self._commit(scheduled, out)
         if scheduled:
             took = time.perf_counter() - began
             kind = kind_of(decoding=any(s.work.start >= len(s.seq.prompt) for s in scheduled),
@@ -262,10 +264,10 @@ class Engine:
             decode = self.model.tokenizer.decode
             seqs = []
             for i, handle in enumerate((job.handle, *job.more)):
-                # Choice 0 samples as the same request with n = 1 would; choice i from (seed, i).
-                seed = job.params.seed if i == 0 or job.params.seed is None else [job.params.seed, i]
+                # Choice 0 samples as the same request with n = 1 would; choice i draws from
+                # the same seed's stream i (a request without a seed gets a random one).
                 seqs.append(Sequence(handle, prompt, job.params, self.stop_checker(decode, job.params.stop),
-                                     self.random_stream(seed)))
+                                     self.random_stream(job.params.seed, i)))
             if job.more:
                 shared = choices.num_shared_blocks(len(prompt), self.plan.block_size, recurrent=self.plan.num_blocks == 0,
                                                    scores_prompt=job.params.prompt_logprobs is not None)
@@ -323,10 +325,12 @@ class Engine:
             self.counters["prefix_hit_tokens"] += seq.num_cached
 
     # phase 4
-    def _step(self) -> tuple[list[Scheduled], np.ndarray | None]:
+    def _step(self) -> tuple[list[Scheduled], StepOutput | None]:
         scheduled = self.scheduler.schedule(self.driver.draft_policy)
         if not scheduled:
             return [], None
+        for s in scheduled:  # rows that need nothing but the sampler may be picked by the driver
+            s.work.pick = self.picker.device_pick(s.seq) if s.work.num_logits else None
         began = time.perf_counter()
         try:
             out = self.driver.step([s.work for s in scheduled])
@@ -337,7 +341,7 @@ class Engine:
         self.counters["steps"] += 1
         self.step_tokens.observe(sum(len(s.work.tokens) for s in scheduled),
                                  decoding=any(not s.seq.prefilling for s in scheduled))
-        return scheduled, out.logits
+        return scheduled, out
 
     def _refused(self, scheduled: list[Scheduled], e: StepRefused) -> None:
         """Nothing ran: only this step's requests fail, their rows and blocks go back."""
@@ -345,19 +349,25 @@ class Engine:
             self._finish(s.seq, "error", f"the driver refused the step: {e}")
 
     # phase 5
-    def _commit(self, scheduled: list[Scheduled], logits: np.ndarray | None) -> None:
-        offset = 0
+    def _commit(self, scheduled: list[Scheduled], out: StepOutput | None) -> None:
+        offset = host = 0  # the row's first logit index, and its first row of host logits
         for s in scheduled:
             seq, n = s.seq, s.work.num_logits
-            rows = logits[offset : offset + n]
+            ids = None if out.token_ids is None else out.token_ids[offset : offset + n]
             offset += n
+            on_device = ids is not None and n > 0 and ids[0] >= 0  # the driver picked the row's tokens
+            if on_device:
+                rows = ids
+            else:
+                rows = out.logits[host : host + n]
+                host += n
             scoring = seq.prefilling and seq.params.prompt_logprobs is not None
             seq.num_computed += len(s.work.tokens) if seq.prefilling else 0
             if scoring:
                 rows = self._score_prompt(seq, s.work.start, rows)
             if len(rows) == 0:
                 continue  # a prefill chunk that did not reach the prompt's end
-            self._commit_row(seq, rows, s.drafts)
+            self._commit_row(seq, rows, s.drafts, on_device)
 
     def _score_prompt(self, seq: Sequence, start: int, rows: np.ndarray) -> np.ndarray:
         """Echo: scores the chunk's prompt tokens; returns the rows left to pick from (the
@@ -373,15 +383,16 @@ class Engine:
             return rows[:0]
         return rows[-1:]
 
-    def _commit_row(self, seq: Sequence, rows: np.ndarray, drafts: list[int]) -> None:
+    def _commit_row(self, seq: Sequence, rows: np.ndarray, drafts: list[int], on_device: bool = False) -> None:
         """Keeps tokens up to EOS, a stop string or max_tokens; with drafts, the accepted
-        ones and one more from the target."""
+        ones and one more from the target. `rows`: the positions' logits, or (`on_device`)
+        the tokens the driver picked at them."""
         was_decoding = bool(seq.output)
         if not was_decoding:
             seq.first_token_at = time.perf_counter()
         kept, text, reason, scores = [], [], None, []
         for i in range(len(rows)):
-            picked = self.picker.pick(rows[i], seq)
+            picked = Picked(int(rows[i])) if on_device else self.picker.pick(rows[i], seq)
             token = picked.token
             if picked.logprob is not None:
                 scores.append(picked.logprob)

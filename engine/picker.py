@@ -1,7 +1,10 @@
 """Picks each row's next token: logits processors, then the sampler, then (when asked) logprobs.
 
-One component with one method, so the loop calls it for every committed position, greedy or
-sampled, plain or speculative.
+One component, so the loop calls it for every committed position, greedy or sampled, plain
+or speculative. A row that needs nothing but the sampler (no logprobs, no logits processor
+acting, no prompt to score: the plain case) may be picked by the driver, where its logits
+are: `device_pick` says so, and the driver then applies this same sampler (on the host, or
+the same function in a device kernel) with the same stream.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import logits_processors, sampler
+from .drivers.base import Pick
 from .logprobs import TokenLogprob, token_logprob
 from .sequence import Sequence
 
@@ -29,7 +33,17 @@ class Picker:
     def pick(self, logits: np.ndarray, seq: Sequence) -> Picked:
         params = seq.params
         z = logits_processors.apply(logits, params, seq.prompt, seq.output, self.eos_ids)
-        token = sampler.sample(z, params, seq.rng)
+        token = sampler.sample(z, params, 0.0 if params.greedy else seq.stream.uniform(len(seq.output)))
         if params.logprobs is None:
             return Picked(token)
         return Picked(token, token_logprob(z, token, params.logprobs))
+
+    def device_pick(self, seq: Sequence) -> Pick | None:
+        """How the driver may pick the row's next tokens in this step, or None when the host
+        needs its logits (logprobs, a logits processor acting, a prompt being scored)."""
+        params = seq.params
+        if params.logprobs is not None or logits_processors.is_active(params, len(seq.output)):
+            return None
+        if seq.prefilling and params.prompt_logprobs is not None:
+            return None
+        return Pick(params, seq.stream, len(seq.output))

@@ -7,10 +7,9 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from .events import RequestHandle
 from .params import SamplingParams
+from .random_stream import RandomStream
 from .stops import StopChecker
 
 
@@ -29,7 +28,7 @@ class Sequence:
     prompt: list[int]
     params: SamplingParams
     stops: StopChecker
-    rng: np.random.Generator
+    stream: RandomStream  # the uniforms its sampled tokens draw, one per output position
     arrival: int = field(default_factory=lambda: next(_arrivals))
     status: Status = Status.WAITING
     row: int = -1

@@ -18,8 +18,9 @@ Verification, per position i with draft d_i, from the target's logits there:
   Engine._commit_row does: draw x from p by inverse CDF with one uniform u
   (sampler.sample), and accept iff x == d. The event x == d has probability p(d), and given x != d, u is uniform over the
   rest of [0, 1), so x is distributed as p without d, renormalized. Each committed token
-  consumes one uniform from the request's own generator, as plain decoding does, so a
-  seeded request gives the same tokens with speculation on or off.
+  draws the uniform at its own output index from the request's counter-based stream
+  (engine/random_stream.py), as plain decoding does, and a rejected position's draw is
+  simply never used, so a seeded request gives the same tokens with speculation on or off.
 
 A policy only proposes; the scheduler still caps every row's drafts at the step's budget
 and at max_tokens - len(output) - 1, so a round never writes past the positions reserved at

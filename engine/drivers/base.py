@@ -12,7 +12,17 @@ What the engine tells a driver, and when:
   device uploads a handful of arrays once per step, whatever the rows.
 - `close_row(row)` once when the sequence leaves the row.
 
-A step returns host logits (float32, the whole vocabulary), one row per logit index.
+What a step returns, per logit index: the token picked where the logits are, or the host
+logits (float32, the whole vocabulary). The engine marks each row whose tokens may be picked
+there (`RowWork.pick`): a request that asks for nothing but greedy, or temperature with
+top-k and top-p, from its counter-based random stream (engine/picker.py's plain case:
+no logprobs, no penalty, bias or min_tokens mask, no prompt to score). A driver returns
+`token_ids` for such rows and logits only for the others, so a device that picks needs to
+read back L token ids instead of L x vocab floats. A driver that picks nothing on its device
+returns every row's logits; the base class then picks the marked rows from them with the
+engine's own sampler (engine/sampler.py), so a marked row's token is the same function of
+its logits, parameters and stream on every backend. `device_picks = False` turns picking
+off: every row's logits come back.
 
 The KV cache's layout and dtype belong to the driver: `kv_bytes_per_token(config)` is what
 the plan sizes the pool with.
@@ -32,7 +42,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .. import sampler
+from ..params import SamplingParams
 from ..plan import DeviceInfo, Plan
+from ..random_stream import M32, RandomStream
 
 
 class StepRefused(Exception):
@@ -41,6 +54,20 @@ class StepRefused(Exception):
 
 class DeviceFault(Exception):
     """The step may have been half applied; device state can no longer be trusted."""
+
+
+@dataclass(slots=True, frozen=True)
+class Pick:
+    """How a row's tokens may be picked where its logits are: the request's sampling rules
+    and random stream, and the stream counter of the row's first logit (its outputs so far;
+    logit j of the row draws at first + j)."""
+
+    params: SamplingParams
+    stream: RandomStream
+    first: int
+
+    def uniform(self, j: int) -> float:
+        return self.stream.uniform(self.first + j)
 
 
 @dataclass(slots=True)
@@ -52,6 +79,30 @@ class RowWork:
     start: int  # position of tokens[0]
     block_table: list[int]  # physical blocks of positions 0.. (covers start + len(tokens))
     num_logits: int  # logits wanted for the last num_logits positions (0: mid-prefill chunk)
+    pick: Pick | None = None  # set: the row's tokens may be picked by the driver; None: host logits
+
+
+# A picked logit index's words in StepArrays.picks (uint32 each): how (host, greedy or
+# sampled), the stream's key (low, high), its choice and counter, the temperature (float32
+# bits), top-k (0: none) and top-p (float32 bits).
+PICK_HOST, PICK_GREEDY, PICK_SAMPLE = 0, 1, 2
+PICK_WORDS = 8
+
+
+def pick_words(batch: list[RowWork], enabled: bool = True) -> np.ndarray:
+    """(L, PICK_WORDS) uint32: each logit index's pick, PICK_HOST where the host picks."""
+    words = np.zeros((sum(w.num_logits for w in batch), PICK_WORDS), np.uint32)
+    i = 0
+    for w in batch:
+        n, pick = w.num_logits, w.pick
+        if enabled and n and pick is not None:
+            params, key = pick.params, pick.stream.key
+            f32 = np.array([max(params.temperature, 1e-6), params.top_p], np.float32).view(np.uint32)
+            words[i : i + n] = (PICK_GREEDY if params.greedy else PICK_SAMPLE, key & M32, key >> 32,
+                                pick.stream.choice, 0, f32[0], min(params.top_k, M32), f32[1])
+            words[i : i + n, 4] = (pick.first + np.arange(n)) & M32
+        i += n
+    return words
 
 
 @dataclass(slots=True)
@@ -70,6 +121,7 @@ class StepArrays:
     seq_lens: np.ndarray  # (R,) the row's context after this step: start + tokens
     logit_idx: np.ndarray  # (L,) tokens whose logits (or picked ids) are returned, in row order
     block_size: int
+    picks: np.ndarray  # (L, PICK_WORDS) uint32: how each logit index is picked (pick_words)
 
     @property
     def num_tokens(self) -> int:
@@ -80,10 +132,10 @@ class StepArrays:
         return len(self.row_ids)
 
 
-def step_arrays(batch: list[RowWork], block_size: int, tables: np.ndarray | None) -> StepArrays:
+def step_arrays(batch: list[RowWork], block_size: int, tables: np.ndarray | None, picks: bool = True) -> StepArrays:
     """The flat arrays of a batch, vectorized over its tokens. `tables` holds each open row's
     block table (rows, blocks), as told by open_row; None for a family without KV blocks
-    (recurrent state), whose slots are -1."""
+    (recurrent state), whose slots are -1. `picks` False: the host picks every row."""
     n = len(batch)
     counts = np.fromiter((len(w.tokens) for w in batch), np.int64, n)
     starts = np.fromiter((w.start for w in batch), np.int64, n)
@@ -103,12 +155,33 @@ def step_arrays(batch: list[RowWork], block_size: int, tables: np.ndarray | None
     i32 = np.int32
     return StepArrays(tokens.astype(i32), positions.astype(i32), slots.astype(i32), token_row.astype(i32),
                       rows.astype(i32), first.astype(i32), counts.astype(i32), (starts + counts).astype(i32),
-                      logit_idx.astype(i32), block_size)
+                      logit_idx.astype(i32), block_size, pick_words(batch, picks))
 
 
 @dataclass(slots=True)
 class StepOutput:
-    logits: np.ndarray  # (L, vocab) float32 host logits, one row per logit index, in batch order
+    # (H, vocab) float32 host logits, in batch order: one row per logit index the host picks
+    # (every index, when token_ids is None).
+    logits: np.ndarray
+    # (L,) int32: the token picked at each logit index, -1 where the host picks (its logits
+    # are in `logits`); None: nothing was picked. A row is picked whole or not at all.
+    token_ids: np.ndarray | None = None
+
+
+def pick_from_logits(logits: np.ndarray, step: StepArrays, batch: list[RowWork]) -> StepOutput:
+    """The marked rows picked from a step's full logits with the engine's sampler, the
+    others' logits kept: what a driver whose device cannot pick returns."""
+    mode = step.picks[:, 0]
+    if not mode.any():
+        return StepOutput(logits)
+    ids = np.full(len(mode), -1, np.int32)
+    i = 0
+    for w in batch:
+        if mode[i : i + w.num_logits].any():
+            for j in range(w.num_logits):
+                ids[i + j] = sampler.sample(logits[i + j], w.pick.params, w.pick.uniform(j))
+        i += w.num_logits
+    return StepOutput(logits[ids < 0], ids)
 
 
 class Driver(ABC):
@@ -118,6 +191,7 @@ class Driver(ABC):
 
     def __init__(self) -> None:
         self.compiles = 0
+        self.device_picks = True  # False: every row's logits come back, and the engine picks
         # Speculative decoding (engine/speculative.py): the scheduler asks this policy for each
         # decoding row's drafts; None decodes one token per row per step.
         self.draft_policy = None
@@ -145,7 +219,9 @@ class Driver(ABC):
         """Builds every entry a step will use (weights, caches, kernels)."""
 
     @abstractmethod
-    def _run(self, step: StepArrays, batch: list[RowWork]) -> StepOutput: ...
+    def _run(self, step: StepArrays, batch: list[RowWork]) -> StepOutput:
+        """Runs the step. Returns every logit index's logits, or (a device that picks) the
+        ids of the rows `step.picks` marks and the other rows' logits."""
 
     def open_row(self, row: int, block_table: list[int]) -> None:
         """A sequence took `row` with this block table, fixed until close_row."""
@@ -168,7 +244,7 @@ class Driver(ABC):
         if armed == "refuse":
             raise StepRefused("injected: the driver refused the step")
         self._check(batch)
-        arrays = step_arrays(batch, self.plan.block_size, self.tables)
+        arrays = step_arrays(batch, self.plan.block_size, self.tables, self.device_picks)
         try:
             out = self._run(arrays, batch)
         except (StepRefused, DeviceFault):
@@ -179,7 +255,7 @@ class Driver(ABC):
             raise DeviceFault(f"{self.backend}: {type(e).__name__}: {e}") from e
         if armed == "fault":
             raise DeviceFault("injected: device fault after the step ran")
-        return out
+        return out if out.token_ids is not None else pick_from_logits(out.logits, arrays, batch)
 
     def arm_failure(self, kind: str) -> None:
         """Test hook behind --fault-injection: the next step is refused or faults."""

@@ -31,8 +31,10 @@ def host_memory_bytes() -> int:
 class NumpyDriver(Driver):
     backend = "numpy"
 
-    def __init__(self, memory_bytes: int | None = None, kernels: bool = True, mkl: bool = True):
+    def __init__(self, memory_bytes: int | None = None, kernels: bool = True, mkl: bool = True,
+                 device_picks: bool = True):
         super().__init__()
+        self.device_picks = device_picks  # False: every row's logits come back (tests compare the two)
         self._memory = memory_bytes
         self._want_kernels = kernels  # False: the plain NumPy path (tests compare the two)
         self._want_mkl = mkl  # False: products of many tokens on NumPy's BLAS, even with MKL installed

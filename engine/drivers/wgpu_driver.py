@@ -2,8 +2,10 @@
 
 Weights, the KV cache, every activation and the step's index arrays stay resident on the
 device. `prepare()` builds every pipeline and bind group a step can use and counts each;
-a step only writes two small buffers (the step's counts, its flat index arrays), records
-dispatches over the prepared bind groups and reads the logits back, whatever the batch.
+a step only writes a few small buffers (the step's counts, its flat index arrays, its picks),
+records dispatches over the prepared bind groups and reads back, whatever the batch, the
+token ids of the rows the engine let it pick (greedy, or sampled with the request's Philox
+stream: wgsl.PICK) and the logits of the others only.
 
 Backends: `wgpu` runs on any adapter the machine offers; `vulkan` insists on a Vulkan one.
 The plan is fitted to the adapter's limits: one storage binding holds at most
@@ -22,7 +24,7 @@ import numpy as np
 from ..models import llama
 from ..plan import DeviceInfo, Plan
 from . import wgsl
-from .base import Driver, RowWork, StepArrays, StepOutput
+from .base import PICK_WORDS, Driver, RowWork, StepArrays, StepOutput
 from .numpy_driver import host_memory_bytes
 
 HARDWARE = ("DiscreteGPU", "IntegratedGPU")
@@ -31,6 +33,10 @@ INSTALL_HINT = ("install a Vulkan driver and loader (Debian/Ubuntu: apt-get inst
 ASSUMED_GPU_MEMORY = 4 << 30  # WebGPU reports no memory size; a hardware adapter is taken to hold this
 CPU_ADAPTER_ROWS = 8
 GPU_ROWS = 32
+# Invocations picking one row's token (wgsl.PICK). On lavapipe a workgroup barrier costs in
+# proportion to the invocations it holds, and 64 ran a sampled pick 2-3x faster than 256.
+CPU_ADAPTER_PICK_WG = 64
+GPU_PICK_WG = 256
 
 
 class NoAdapter(RuntimeError):
@@ -79,8 +85,10 @@ def _windows(rows: int, cols: int, limit: int) -> list[tuple[int, int]]:
 
 
 class WgpuDriver(Driver):
-    def __init__(self, backend: str = "wgpu", adapter=None, memory_bytes: int | None = None):
+    def __init__(self, backend: str = "wgpu", adapter=None, memory_bytes: int | None = None,
+                 device_picks: bool = True):
         super().__init__()
+        self.device_picks = device_picks  # False: every row's logits are read back
         self._memory = memory_bytes  # None: what the adapter offers
         self.backend = backend
         self.adapter = adapter if adapter is not None else pick_adapter(backend)  # NoAdapter without wgpu-py
@@ -144,6 +152,9 @@ class WgpuDriver(Driver):
             within(f"the {name} activations", tmax * width * 4)
             self.buf[name] = storage(tmax * width * 4)
         self.readback = dev.create_buffer(size=tmax * vocab * 4, usage=u.MAP_READ | u.COPY_DST)
+        self.picks = storage(tmax * PICK_WORDS * 4)  # each logit index's pick words (base.pick_words)
+        self.ids = storage(tmax * 4)  # the token picked at each logit index
+        self.ids_readback = dev.create_buffer(size=max(16, tmax * 4), usage=u.MAP_READ | u.COPY_DST)
         self.index = storage(wgsl.INDEX_SECTIONS * tmax * 4)
         self.index_host = np.zeros(wgsl.INDEX_SECTIONS * tmax, np.int32)
         self.step_uniform = dev.create_buffer(size=16, usage=u.UNIFORM | u.COPY_DST)
@@ -156,11 +167,12 @@ class WgpuDriver(Driver):
 
         # Pipelines: one per kernel (two tiles of the product), each counted.
         sizes = dict(TMAX=tmax, HEADS=heads, KVH=kvh, HALF=hd // 2, GROUP=heads // kvh, HD4=hd // 4,
-                     BS=plan.block_size, MAXB=self.max_blocks)
+                     BS=plan.block_size, MAXB=self.max_blocks, VOCAB=vocab, PICK_WORDS=PICK_WORDS,
+                     PICK_WG=GPU_PICK_WG if is_hardware(self.adapter) else CPU_ADAPTER_PICK_WG)
         kinds = {"matmul": "uurrw", "embed": "uurrw", "rms": "uurrrw", "rope": "uurrrwww", "attention": "uurrrrrw",
-                 "silu": "uurw"}
+                 "silu": "uurw", "pick": "uuwrw"}
         sources = {"embed": wgsl.EMBED, "rms": wgsl.RMS, "rope": wgsl.ROPE_STORE, "attention": wgsl.ATTENTION,
-                   "silu": wgsl.SILU_MUL}
+                   "silu": wgsl.SILU_MUL, "pick": wgsl.PICK}
         self.layouts = {k: self._bind_layout(v) for k, v in kinds.items()}
         self.pipelines = {}
         for tile in wgsl.MATMUL_TILES:
@@ -191,6 +203,7 @@ class WgpuDriver(Driver):
         self.norm = upload(prepared.norm)
         self.final_rms = self._group("rms", (d // 4, 1, eps), [b["x"], self.index, self.norm, b["hl"]])
         self.head_calls = self._products(prepared.lm_head, b["hl"], b["logits"], vocab, logits=True)
+        self.pick_call = self._group("pick", (vocab,), [b["logits"], self.picks, self.ids])
 
     def _bind_layout(self, kinds: str):
         wgpu = self.wgpu
@@ -258,6 +271,10 @@ class WgpuDriver(Driver):
         queue = self.device_.queue
         queue.write_buffer(self.step_uniform, 0, np.array([t, n_logits, 0, 0], np.uint32))
         queue.write_buffer(self.index, 0, ix)
+        marked = step.picks[:, 0] != 0  # the logit indices picked here
+        picking = bool(marked.any())
+        if picking:
+            queue.write_buffer(self.picks, 0, np.ascontiguousarray(step.picks))
 
         c = self.config
         d, heads, kvh, hd = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
@@ -288,16 +305,40 @@ class WgpuDriver(Driver):
             products(calls["down"], t)
         run("rms", self.final_rms, -(-n_logits // 64))
         products(self.head_calls, n_logits)
+        if picking:
+            run("pick", self.pick_call, n_logits)  # one workgroup per logit index
         cp.end()
-        nbytes = n_logits * c.vocab_size * 4
-        if nbytes:
-            encoder.copy_buffer_to_buffer(self.buf["logits"], 0, self.readback, 0, nbytes)
+        row_bytes = c.vocab_size * 4
+        host = np.flatnonzero(~marked)
+        # The host rows' logits, packed: one copy per run of consecutive host rows.
+        for first, count in _runs(host):
+            encoder.copy_buffer_to_buffer(self.buf["logits"], int(host[first]) * row_bytes, self.readback,
+                                          first * row_bytes, count * row_bytes)
+        if picking:
+            encoder.copy_buffer_to_buffer(self.ids, 0, self.ids_readback, 0, n_logits * 4)
         queue.submit([encoder.finish()])
+        logits = self._read(self.readback, len(host) * row_bytes, np.float32).reshape(len(host), c.vocab_size)
+        if not picking:
+            return StepOutput(logits)
+        ids = self._read(self.ids_readback, n_logits * 4, np.int32)
+        ids[~marked] = -1
+        return StepOutput(logits, ids)
+
+    def _read(self, buffer, nbytes: int, dtype) -> np.ndarray:
         if not nbytes:
-            return StepOutput(np.zeros((0, c.vocab_size), np.float32))
-        self.readback.map_sync(self.wgpu.MapMode.READ, 0, nbytes)
+            return np.zeros(0, dtype)
+        buffer.map_sync(self.wgpu.MapMode.READ, 0, nbytes)
         try:
-            logits = np.frombuffer(self.readback.read_mapped(0, nbytes), np.float32).copy()
+            return np.frombuffer(buffer.read_mapped(0, nbytes), dtype).copy()
         finally:
-            self.readback.unmap()
-        return StepOutput(logits.reshape(n_logits, c.vocab_size))
+            buffer.unmap()
+
+
+def _runs(indices: np.ndarray) -> list[tuple[int, int]]:
+    """(position in `indices`, length) of each run of consecutive values in sorted `indices`."""
+    if not len(indices):
+        return []
+    breaks = np.flatnonzero(np.diff(indices) != 1) + 1
+    starts = np.concatenate([[0], breaks])
+    ends = np.concatenate([breaks, [len(indices)]])
+    return list(zip(starts.tolist(), (ends - starts).tolist(), strict=True))

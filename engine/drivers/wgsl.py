@@ -234,3 +234,227 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
   act[i] = g / (1.0 + exp(-g)) * gu[t * 2u * p.a + p.a + j];
 }
 """
+
+# Philox4x32-10 (engine/random_stream.py) in u32 ops: WGSL has no 64-bit integers, so each
+# 32 x 32 -> 64-bit product is put together from 16-bit halves.
+PHILOX = """
+fn mulhilo(a: u32, b: u32) -> vec2<u32> {
+  let a0 = a & 0xffffu;
+  let a1 = a >> 16u;
+  let b0 = b & 0xffffu;
+  let b1 = b >> 16u;
+  let p01 = a0 * b1;
+  let p10 = a1 * b0;
+  let mid = ((a0 * b0) >> 16u) + (p01 & 0xffffu) + (p10 & 0xffffu);
+  return vec2<u32>(a1 * b1 + (p01 >> 16u) + (p10 >> 16u) + (mid >> 16u), a * b);
+}
+
+fn philox(counter: vec4<u32>, key: vec2<u32>) -> vec4<u32> {
+  var c = counter;
+  var k = key;
+  for (var r = 0u; r < 10u; r++) {
+    if (r > 0u) { k = k + vec2<u32>(0x9E3779B9u, 0xBB67AE85u); }
+    let p0 = mulhilo(0xD2511F53u, c.x);
+    let p1 = mulhilo(0xCD9E8D57u, c.z);
+    c = vec4<u32>(p1.x ^ c.y ^ k.x, p1.y, p0.x ^ c.w ^ k.y, p0.y);
+  }
+  return c;
+}
+"""
+
+# Picks the token of each logit index the step marks (engine/sampler.py's rules, in float32),
+# one workgroup of WG invocations per logit index, each over a contiguous chunk of the
+# vocabulary; reductions go through workgroup memory. p: a = vocab. Per logit index, `pk`
+# holds PICK_WORDS words: mode (0 host: left alone, 1 greedy, 2 sampled), the stream's key
+# (low, high), choice and counter, temperature (f32 bits), top-k (0: none), top-p (f32 bits).
+# Greedy: the first index of the largest logit. Sampled: top-k's threshold is the k-th
+# largest logit, found bit by bit over order-preserving keys of the logits (a counting pass
+# per bit); a sampled row's logits are then overwritten in place by their weights
+# exp((z - max) / T) (zero below the threshold), whose f32 bits order them as well; top-p's
+# threshold is the largest weight w with the mass of weights >= w at least top_p of the
+# total (a summing pass per bit); either search stops once later bits cannot change the set
+# it keeps. The token is the first, in id order, whose running sum of kept weights passes
+# u * their total, u = Philox's first word's top 24 bits / 2^24.
+PICK = HEADER + """
+@group(0) @binding(2) var<storage, read_write> z: array<f32>;
+@group(0) @binding(3) var<storage, read> pk: array<u32>;
+@group(0) @binding(4) var<storage, read_write> ids: array<i32>;
+""" + PHILOX + """
+const WG: u32 = ${PICK_WG}u;
+const V: u32 = ${VOCAB}u;
+const CHUNK: u32 = (V + WG - 1u) / WG;
+var<workgroup> red: array<f32, WG>;
+var<workgroup> redu: array<u32, WG>;
+var<workgroup> red2: array<vec2<f32>, WG>;
+var<workgroup> found: atomic<u32>;
+var<workgroup> last: atomic<u32>;
+
+fn sum_f(v: f32, lid: u32) -> f32 {
+  red[lid] = v;
+  for (var s = WG / 2u; s > 0u; s >>= 1u) {
+    workgroupBarrier();
+    if (lid < s) { red[lid] += red[lid + s]; }
+  }
+  let r = workgroupUniformLoad(&red[0]);
+  workgroupBarrier();
+  return r;
+}
+
+fn max_f(v: f32, lid: u32) -> f32 {
+  red[lid] = v;
+  for (var s = WG / 2u; s > 0u; s >>= 1u) {
+    workgroupBarrier();
+    if (lid < s) { red[lid] = max(red[lid], red[lid + s]); }
+  }
+  let r = workgroupUniformLoad(&red[0]);
+  workgroupBarrier();
+  return r;
+}
+
+fn sum_2(v: vec2<f32>, lid: u32) -> vec2<f32> {
+  red2[lid] = v;
+  for (var s = WG / 2u; s > 0u; s >>= 1u) {
+    workgroupBarrier();
+    if (lid < s) { red2[lid] += red2[lid + s]; }
+  }
+  let r = workgroupUniformLoad(&red2[0]);
+  workgroupBarrier();
+  return r;
+}
+
+fn sum_u(v: u32, lid: u32) -> u32 {
+  redu[lid] = v;
+  for (var s = WG / 2u; s > 0u; s >>= 1u) {
+    workgroupBarrier();
+    if (lid < s) { redu[lid] += redu[lid + s]; }
+  }
+  let r = workgroupUniformLoad(&redu[0]);
+  workgroupBarrier();
+  return r;
+}
+
+fn min_u(v: u32, lid: u32) -> u32 {
+  redu[lid] = v;
+  for (var s = WG / 2u; s > 0u; s >>= 1u) {
+    workgroupBarrier();
+    if (lid < s) { redu[lid] = min(redu[lid], redu[lid + s]); }
+  }
+  let r = workgroupUniformLoad(&redu[0]);
+  workgroupBarrier();
+  return r;
+}
+
+// An order-preserving key of a float: a < b exactly when key(a) < key(b); -0 is 0.
+fn order_key(x: f32) -> u32 {
+  var b = bitcast<u32>(x);
+  if (b == 0x80000000u) { b = 0u; }
+  return select(b | 0x80000000u, ~b, (b & 0x80000000u) != 0u);
+}
+
+@compute @workgroup_size(WG)
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+  let i = wid.x;
+  if (i >= st.logits) { return; }
+  let w = i * ${PICK_WORDS}u;
+  let mode = pk[w];
+  if (mode == 0u) { return; }
+  let base = i * V;
+  let v0 = min(lid * CHUNK, V);
+  let v1 = min(v0 + CHUNK, V);
+
+  var m = -3.4e38;
+  var at = V;
+  for (var v = v0; v < v1; v++) {
+    let x = z[base + v];
+    if (x > m) { m = x; at = v; }
+  }
+  let top = max_f(m, lid);
+  let first = min_u(select(V, at, m == top), lid);
+  if (mode == 1u) {
+    if (lid == 0u) { ids[i] = i32(first); }
+    return;
+  }
+
+  let temperature = bitcast<f32>(pk[w + 5u]);
+  let top_k = pk[w + 6u];
+  let top_p = bitcast<f32>(pk[w + 7u]);
+  // Each search keeps the threshold t and the smallest rejected candidate `up`, with how
+  // many tokens lie at or above each; once one token lies in [t, up), or (top-k) exactly k
+  // at or above t, every later bit keeps the same set, and the search stops.
+  var kth = 0u;
+  if (top_k > 0u && top_k < V) {
+    var at_t = V;
+    var at_up = 0u;
+    for (var b = 0u; b < 32u; b++) {
+      let cand = kth | (0x80000000u >> b);
+      var n = 0u;
+      for (var v = v0; v < v1; v++) { n += select(0u, 1u, order_key(z[base + v]) >= cand); }
+      let count = sum_u(n, lid);
+      if (count >= top_k) { kth = cand; at_t = count; } else { at_up = count; }
+      if (at_t == top_k || at_t - at_up == 1u) { break; }
+    }
+  }
+  var s = 0.0;
+  for (var v = v0; v < v1; v++) {
+    let x = z[base + v];
+    var e = 0.0;
+    if (order_key(x) >= kth) { e = exp((x - top) / temperature); }
+    z[base + v] = e;
+    s += e;
+  }
+  let total = sum_f(s, lid);
+  var cut = 0u;
+  if (top_p < 1.0) {
+    let need = top_p * total;
+    var at_t = f32(V);
+    var at_up = 0.0;
+    for (var b = 2u; b < 32u; b++) {  // weights lie in [0, 1]: their top two bits are 0
+      let cand = cut | (0x80000000u >> b);
+      var part = vec2<f32>(0.0);  // mass and count at or above the candidate
+      for (var v = v0; v < v1; v++) {
+        let e = z[base + v];
+        if (bitcast<u32>(e) >= cand) { part += vec2<f32>(e, 1.0); }
+      }
+      let got = sum_2(part, lid);
+      if (got.x >= need) { cut = cand; at_t = got.y; } else { at_up = got.y; }
+      if (at_t - at_up == 1.0) { break; }
+    }
+  }
+
+  var mine = 0.0;
+  var last_here = 0u;
+  for (var v = v0; v < v1; v++) {
+    let e = z[base + v];
+    if (bitcast<u32>(e) >= cut && e > 0.0) { mine += e; last_here = v; }
+  }
+  if (lid == 0u) { atomicStore(&found, 0xffffffffu); atomicStore(&last, 0u); }
+  red[lid] = mine;
+  workgroupBarrier();
+  var before = 0.0;
+  for (var t = 0u; t < lid; t++) { before += red[t]; }
+  var kept = before;
+  for (var t = lid; t < WG; t++) { kept += red[t]; }
+  let c = philox(vec4<u32>(pk[w + 4u], 0u, pk[w + 3u], 0u), vec2<u32>(pk[w + 1u], pk[w + 2u]));
+  let goal = f32(c.x >> 8u) * (1.0 / 16777216.0) * kept;
+  if (mine > 0.0) {
+    atomicMax(&last, last_here);
+    if (before <= goal && goal < before + mine) {
+      var run = before;
+      var pick = last_here;
+      for (var v = v0; v < v1; v++) {
+        let e = z[base + v];
+        if (bitcast<u32>(e) >= cut && e > 0.0) {
+          run += e;
+          if (run > goal) { pick = v; break; }
+        }
+      }
+      atomicMin(&found, pick);
+    }
+  }
+  workgroupBarrier();
+  if (lid == 0u) {
+    let f = atomicLoad(&found);
+    ids[i] = i32(select(f, atomicLoad(&last), f == 0xffffffffu));
+  }
+}
+"""

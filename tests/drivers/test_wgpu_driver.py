@@ -1,16 +1,19 @@
 """The wgpu driver against the NumPy driver, step by step: the same logits (1e-4 on the
-synthetic model, 1e-3 on SmolLM2) and the same greedy tokens, a fixed compile count, the
-adapter limits absorbed, device errors mapped to the loop's two failures."""
+synthetic model, 1e-3 on SmolLM2) and the same greedy tokens, the same tokens picked on the
+device (greedy and seeded sampling) as the host picks from the same logits, a fixed compile
+count, the adapter limits absorbed, device errors mapped to the loop's two failures."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+from poot.engine import SamplingParams, sampler
 from poot.engine.drivers import StepRefused, make_driver
-from poot.engine.drivers.base import DeviceFault, RowWork
+from poot.engine.drivers.base import DeviceFault, Pick, RowWork
 from poot.engine.models.synthetic import synthetic_llama
 from poot.engine.plan import fit_plan
+from poot.engine.random_stream import philox4x32, random_stream
 from tests.backends import missing
 
 BACKENDS = [b for b in ("wgpu", "vulkan")]
@@ -80,6 +83,150 @@ def test_logits_equal_the_numpy_drivers_on_the_synthetic_model(backend):
         assert (a.argmax(-1) == b.argmax(-1)).all()
 
 
+# What the device picks: greedy, and sampling with each cut alone and together.
+PICKED = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8), SamplingParams(temperature=1.2, top_k=5),
+          SamplingParams(temperature=1.0, top_p=0.7), SamplingParams(temperature=0.9, top_k=20, top_p=0.9),
+          SamplingParams(temperature=1.5, top_k=100_000, top_p=0.95)]
+
+
+def with_picks(steps, seed=0, host_every=5):
+    """The steps with each row's tokens marked for the device, cycling through PICKED and
+    leaving every `host_every`-th row to the host; each row draws at its own counter."""
+    marked, n = [], 0
+    for batch in steps:
+        out = []
+        for w in batch:
+            params = PICKED[n % len(PICKED)]
+            pick = None if n % host_every == host_every - 1 else Pick(params, random_stream(seed + n, n % 3), 7 * n)
+            out.append(RowWork(w.row, w.tokens, w.start, w.block_table, w.num_logits, pick))
+            n += 1
+        marked.append(out)
+    return marked
+
+
+def host_picks(logits, batch):
+    """What the host's sampler picks from a step's full logits, per logit index (-1: unmarked)."""
+    ids, i = [], 0
+    for w in batch:
+        for j in range(w.num_logits):
+            ids.append(-1 if w.pick is None else sampler.sample(logits[i + j], w.pick.params, w.pick.uniform(j)))
+        i += w.num_logits
+    return ids
+
+
+def test_wgsl_philox_gives_the_hosts_words():
+    """The kernel's Philox4x32-10 (16-bit halves for each 64-bit product) against the host's,
+    on Random123's known-answer inputs and random ones."""
+    from poot.engine.drivers import wgsl
+    from poot.engine.drivers.wgpu_driver import WgpuDriver
+
+    needs("vulkan")
+    dev = WgpuDriver("vulkan").device_
+    rng = np.random.default_rng(0)
+    inputs = rng.integers(0, 2**32, (500, 6), dtype=np.uint64)
+    inputs[:3] = [[0] * 6, [2**32 - 1] * 6, [0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344, 0xA4093822, 0x299F31D0]]
+    code = """
+@group(0) @binding(0) var<storage, read> inp: array<u32>;
+@group(0) @binding(1) var<storage, read_write> out: array<vec4<u32>>;
+""" + wgsl.PHILOX + """
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+  let i = gid.x;
+  if (i >= arrayLength(&out)) { return; }
+  let b = i * 6u;
+  out[i] = philox(vec4<u32>(inp[b], inp[b + 1u], inp[b + 2u], inp[b + 3u]), vec2<u32>(inp[b + 4u], inp[b + 5u]));
+}
+"""
+    u = dev.create_buffer_with_data(data=inputs.astype(np.uint32), usage=0x80)  # STORAGE
+    out = dev.create_buffer(size=len(inputs) * 16, usage=0x80 | 0x04)  # STORAGE | COPY_SRC
+    pipeline = dev.create_compute_pipeline(layout="auto", compute={"module": dev.create_shader_module(code=code),
+                                                                   "entry_point": "main"})
+    group = dev.create_bind_group(layout=pipeline.get_bind_group_layout(0), entries=[
+        {"binding": 0, "resource": {"buffer": u, "offset": 0, "size": u.size}},
+        {"binding": 1, "resource": {"buffer": out, "offset": 0, "size": out.size}}])
+    encoder = dev.create_command_encoder()
+    cp = encoder.begin_compute_pass()
+    cp.set_pipeline(pipeline)
+    cp.set_bind_group(0, group)
+    cp.dispatch_workgroups(-(-len(inputs) // 64))
+    cp.end()
+    dev.queue.submit([encoder.finish()])
+    got = np.frombuffer(dev.queue.read_buffer(out), np.uint32).reshape(-1, 4)
+    c = tuple(inputs[:, i] for i in range(4))
+    want = np.stack(philox4x32(c, (inputs[:, 4], inputs[:, 5])), axis=1)
+    assert got[1].tolist() == [0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD]
+    np.testing.assert_array_equal(got, want.astype(np.uint32))
+
+
+@pytest.mark.parametrize("backend, workgroup", [(b, 64) for b in BACKENDS] + [("vulkan", 256)])
+def test_tokens_picked_on_the_device_are_the_hosts_picks_from_the_same_logits(backend, workgroup, monkeypatch):
+    """Greedy on the device is the argmax of the logits the step would have returned; a
+    sampled row is the host sampler's pick with the row's stream; unmarked rows still get
+    their logits, and the NumPy driver picks the same tokens. With a CPU adapter's picking
+    workgroup and a hardware GPU's (256 invocations), which runs here on lavapipe too."""
+    from poot.engine.drivers import wgpu_driver
+
+    monkeypatch.setattr(wgpu_driver, "CPU_ADAPTER_PICK_WG", workgroup)
+    model = synthetic_llama(5)
+    cpu, gpu, plan = pair(model, backend)
+    tables, steps = mixed_steps(plan, np.random.default_rng(4), model.config.vocab_size, n_rows=plan.rows)
+    steps = with_picks(steps)
+    for d in (cpu, gpu):
+        for row, t in enumerate(tables):
+            d.open_row(row, t)
+    full = []
+    gpu.device_picks = False
+    for batch in steps:
+        full.append(gpu.step(batch).logits)
+    gpu.device_picks = True
+    marked_somewhere = 0
+    for batch, logits in zip(steps, full, strict=True):
+        out, on_cpu = gpu.step(batch), cpu.step(batch)
+        want = host_picks(logits, batch)
+        assert out.token_ids.tolist() == want == on_cpu.token_ids.tolist()
+        host = np.array(want) < 0
+        np.testing.assert_array_equal(out.logits, logits[host])
+        marked_somewhere += int((~host).sum())
+    assert marked_somewhere > 10
+
+
+def test_many_seeded_draws_on_the_device_are_the_hosts():
+    """Every sampling rule, many counters: each draw the device makes is the one the host's
+    sampler makes from the same logits with the same uniform."""
+    model = synthetic_llama(5)
+    _, gpu, plan = pair(model)
+    tables, steps = mixed_steps(plan, np.random.default_rng(6), model.config.vocab_size, n_rows=plan.rows)
+    for row, t in enumerate(tables):
+        gpu.open_row(row, t)
+    for batch in steps[:-1]:  # the prompts, prefilled, then one decode step of every row
+        gpu.step(batch)
+    last = steps[-1]  # every row decodes again, one of them verifying 4 tokens
+    gpu.device_picks = False
+    logits = gpu.step(last).logits
+    gpu.device_picks = True
+    draws = 0
+    for params in PICKED[1:]:
+        for k in range(25):
+            batch = [RowWork(w.row, w.tokens, w.start, w.block_table, w.num_logits,
+                             Pick(params, random_stream(1000 * k + w.row, k % 2), k)) for w in last]
+            assert gpu.step(batch).token_ids.tolist() == host_picks(logits, batch), (params, k)
+            draws += len(batch)
+    assert draws >= 5 * 25 * 2
+
+
+def test_a_step_picked_whole_on_the_device_reads_back_no_logits():
+    model = synthetic_llama(5)
+    cpu, gpu, plan = pair(model)
+    tables, steps = mixed_steps(plan, np.random.default_rng(5), model.config.vocab_size)
+    steps = with_picks(steps, host_every=10**6)
+    for row, t in enumerate(tables):
+        gpu.open_row(row, t)
+    for batch in steps:
+        out = gpu.step(batch)
+        assert out.logits.shape == (0, model.config.vocab_size)
+        assert len(out.token_ids) == sum(w.num_logits for w in batch) and (out.token_ids >= 0).all()
+
+
 def test_compiles_happen_in_prepare_only():
     model = synthetic_llama(5)
     cpu, gpu, plan = pair(model)
@@ -88,6 +235,8 @@ def test_compiles_happen_in_prepare_only():
     tables, steps = mixed_steps(plan, np.random.default_rng(2), model.config.vocab_size, n_rows=plan.rows)
     for _ in run_both(cpu, gpu, tables, steps):
         pass
+    for batch in with_picks(steps):  # the device's picking was prepared too
+        gpu.step(batch)
     assert gpu.compiles == built
 
 
@@ -179,6 +328,34 @@ def test_smollm2_logits_and_greedy_tokens_equal_the_numpy_drivers(smollm2):
             feed = np.array([picked["cpu"][-1]], np.int32)
         assert picked["cpu"] == picked["gpu"], text
     print(f"largest SmolLM2 logit difference, wgpu against numpy: {worst:.2e}")
+
+
+@pytest.mark.realmodel
+@pytest.mark.slow
+def test_smollm2_tokens_picked_on_the_device_equal_the_numpy_drivers(smollm2):
+    """SmolLM2's 49152-token vocabulary: three rows in one step, greedy, sampled with top-k
+    and top-p, sampled with top-p alone, each picking on the device what the NumPy driver
+    picks, for a few tokens each (lavapipe is slow)."""
+    cpu, gpu, plan = pair(smollm2)
+    rules = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_k=50, top_p=0.9),
+             SamplingParams(temperature=1.0, top_p=0.95)]
+    prompts = [np.array(smollm2.encode_prompt(t), np.int32) for t in ("The capital of France is", "def add(a, b):",
+                                                                      "Once upon a time")]
+    tables = [list(range(r * 8, r * 8 + plan.blocks_for(len(p) + 8))) for r, p in enumerate(prompts)]
+    for d in (cpu, gpu):
+        for r, t in enumerate(tables):
+            d.open_row(r, t)
+    feeds, starts, picked = list(prompts), [0] * 3, [[] for _ in prompts]
+    for k in range(4):
+        batch = [RowWork(r, feeds[r], starts[r], tables[r], 1, Pick(rules[r], random_stream(42, r), k))
+                 for r in range(3)]
+        a, b = cpu.step(batch).token_ids, gpu.step(batch).token_ids
+        assert b.tolist() == a.tolist(), k
+        for r in range(3):
+            picked[r].append(int(a[r]))
+            starts[r] += len(feeds[r])
+            feeds[r] = a[r : r + 1].astype(np.int32)
+    assert len({tuple(p) for p in picked}) == 3
 
 
 def test_poot_serve_on_vulkan_without_a_vulkan_driver_exits_saying_what_to_install():

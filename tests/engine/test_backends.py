@@ -4,12 +4,15 @@ whichever driver runs its steps. Backends come from tests/backends.py
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant
 
+from poot.engine import SamplingParams
 from poot.engine.drivers.base import RowWork
 from tests.backends import driver_factory, params
 
@@ -84,8 +87,63 @@ def test_compile_count_is_constant_from_prepare_whatever_comes_after(backend):
     for n in (1, 3, 8):
         for i in range(n):
             submit(engine, "p" * (1 + 37 * i % 200), greedy(1 + i % 5))
+        # Rows picked on the device (sampled) and on the host (logprobs) share steps too.
+        submit(engine, "sampled", SamplingParams(max_tokens=3, temperature=0.9, top_k=9, top_p=0.9, seed=n))
+        submit(engine, "scored", greedy(2, logprobs=1))
         run_until_idle(engine)
     assert engine.metrics()["engine_compiles"] == compiles
+
+
+# Requests whose tokens the driver may pick (greedy, and seeded sampling with every cut)
+# beside requests that need the host's logits (logprobs, penalties, bias, min_tokens until it
+# is reached, a prompt being scored).
+MIXED = [
+    ("a", greedy(12, ignore_eos=True)),
+    ("the quick", SamplingParams(max_tokens=12, temperature=0.8, seed=1, ignore_eos=True)),
+    ("brown fox", SamplingParams(max_tokens=12, temperature=1.1, top_k=20, seed=2, ignore_eos=True)),
+    ("jumps over", SamplingParams(max_tokens=12, temperature=0.9, top_p=0.8, seed=3, ignore_eos=True)),
+    ("the lazy", SamplingParams(max_tokens=12, temperature=1.0, top_k=40, top_p=0.9, seed=4)),
+    ("dog " * 5, SamplingParams(max_tokens=12, temperature=0.7, seed=5, logprobs=2)),
+    ("x" * 30, SamplingParams(max_tokens=12, temperature=0.7, seed=6, frequency_penalty=0.5)),
+    ("min", SamplingParams(max_tokens=12, temperature=0.7, seed=7, min_tokens=4, ignore_eos=True)),
+    ("echo me", SamplingParams(max_tokens=6, temperature=0.7, seed=8, prompt_logprobs=1)),
+    ("bias", greedy(8, logit_bias=((65, 5.0),))),
+]
+
+
+def run_mixed(backend, device_picks: bool, requests=MIXED):
+    """Each request's events, with how many steps mixed rows picked on the device and on the host."""
+    engine = make_engine(driver_class=functools.partial(driver_factory(backend), device_picks=device_picks))
+    inner, mixed = engine.driver.step, []
+
+    def step(batch):
+        kinds = {w.pick is not None for w in batch if w.num_logits}
+        mixed.append(kinds == {True, False})
+        return inner(batch)
+
+    engine.driver.step = step
+    recs = [submit(engine, prompt, params)[0] for prompt, params in requests]
+    run_until_idle(engine)
+    return [r.events for r in recs], sum(mixed)
+
+
+def test_rows_picked_by_the_driver_give_what_the_host_gives(backend):
+    """A step's rows that need nothing but the sampler are picked by the driver, the others
+    on the host, in the same step: every request sees exactly what it sees when the host
+    picks every row (tokens, text, logprobs, prompt scores)."""
+    on_device, mixed = run_mixed(backend, True)
+    on_host, _ = run_mixed(backend, False)
+    assert mixed > 0
+    assert on_device == on_host
+
+
+def test_a_seed_gives_the_same_tokens_on_every_backend(backend):
+    sampled = [(p, q) for p, q in MIXED if q.seed is not None and q.temperature > 0]
+    here, _ = run_mixed(backend, True, sampled)
+    there, _ = run_mixed("numpy", True, sampled)
+    tokens = [[e.token_ids for e in events if hasattr(e, "token_ids")] for events in here]
+    assert tokens == [[e.token_ids for e in events if hasattr(e, "token_ids")] for events in there]
+    assert len({tuple(t for ids in r for t in ids) for r in tokens}) == len(sampled)
 
 
 def test_the_plan_names_the_backend_and_its_adapter(backend):

@@ -316,8 +316,9 @@ def test_compile_count_is_constant_with_speculation_on():
 
 
 def test_sampled_output_with_speculation_is_the_seeded_plain_output():
-    """One uniform per committed token, from the request's own generator: with a seed, the
-    tokens are the same with speculation on or off (and so reproducible)."""
+    """One uniform per committed token, the draw at its output index in the request's
+    stream: with a seed, the tokens are the same with speculation on or off (and so
+    reproducible)."""
     reqs = [("{'{'{'{'{" * 2, SamplingParams(max_tokens=24, temperature=0.7, seed=s, ignore_eos=True))
             for s in range(12)]
     plain = [r.token_ids for r in run(engine_with(None), reqs)]
@@ -342,7 +343,7 @@ def test_one_position_accepts_with_probability_p_of_the_draft_and_resamples_the_
     n = 20_000
     for draft in (int(np.argmax(p)), int(np.argsort(p)[-4])):
         rng = np.random.default_rng(1234 + draft)
-        tokens = np.array([sample(logits, params, rng) for _ in range(n)])
+        tokens = np.array([sample(logits, params, rng.random()) for _ in range(n)])
         accepted = tokens == draft
         z = (accepted.sum() - n * p[draft]) / math.sqrt(n * p[draft] * (1 - p[draft]))
         assert abs(z) < 4, z
@@ -351,7 +352,7 @@ def test_one_position_accepts_with_probability_p_of_the_draft_and_resamples_the_
         stat, dof = chi_square(np.bincount(tokens[~accepted], minlength=len(p)), residual)
         assert chi2_sf(stat, dof) > 1e-3
         # a wrong rule: on rejection draw again from p (the draft can come back)
-        wrong = np.array([t if t == draft else sample(logits, params, rng) for t in tokens[:n]])
+        wrong = np.array([t if t == draft else sample(logits, params, rng.random()) for t in tokens[:n]])
         wrong_rejected = wrong[~accepted]
         stat, dof = chi_square(np.bincount(wrong_rejected, minlength=len(p)), residual)
         assert chi2_sf(stat, dof) < 1e-6

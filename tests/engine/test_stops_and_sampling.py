@@ -6,6 +6,7 @@ from hypothesis import strategies as st
 
 from poot.engine import SamplingParams
 from poot.engine.models.byte_tokenizer import ByteTokenizer
+from poot.engine.random_stream import random_stream, uniforms
 from poot.engine.sampler import probabilities, sample
 from poot.engine.stops import StopChecker
 
@@ -66,26 +67,48 @@ def test_top_k_and_top_p_keep_the_smallest_sufficient_set():
     np.testing.assert_allclose(p, [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0])
 
 
+def test_top_p_keeps_every_token_tied_at_its_cut():
+    """The kept set is made of whole probability levels: a token is kept when the tokens
+    strictly more likely than it hold less than top_p, so equal logits are kept or cut
+    together, whatever their ids (as top-k keeps every token tied with its k-th)."""
+    logits = np.log(np.array([0.1, 0.4, 0.1, 0.4]))
+    p = probabilities(logits, SamplingParams(temperature=1.0, top_p=0.5))
+    np.testing.assert_allclose(p, [0, 0.5, 0, 0.5])
+    p = probabilities(logits, SamplingParams(temperature=1.0, top_p=0.85))
+    np.testing.assert_allclose(p, [0.1, 0.4, 0.1, 0.4])
+    p = probabilities(logits, SamplingParams(temperature=1.0, top_k=2))
+    np.testing.assert_allclose(p, [0, 0.5, 0, 0.5])
+
+
 def test_temperature_sharpens_and_greedy_takes_the_argmax():
     logits = np.array([1.0, 2.0, 0.5])
     cold = probabilities(logits, SamplingParams(temperature=0.1))
     assert cold[1] > 0.99
-    assert sample(logits, SamplingParams(temperature=0.0), np.random.default_rng()) == 1
+    assert sample(logits, SamplingParams(temperature=0.0), 0.999) == 1
+
+
+def test_a_draw_is_the_inverse_cdf_in_vocabulary_order():
+    """One uniform per token: the first token whose cumulative probability, in id order,
+    passes it. The same uniform always gives the same token."""
+    logits = np.log(np.array([0.6, 0.3, 0.1]))
+    params = SamplingParams(temperature=1.0)
+    assert [sample(logits, params, u) for u in (0.0, 0.59, 0.61, 0.89, 0.91, 1 - 2**-24)] == [0, 0, 1, 1, 2, 2]
 
 
 def test_a_seed_makes_sampling_reproducible_and_follows_the_distribution():
     logits = np.log(np.array([0.6, 0.3, 0.1]))
     params = SamplingParams(temperature=1.0, seed=7)
-    a = [sample(logits, params, np.random.default_rng(7)) for _ in range(5)]
-    b = [sample(logits, params, np.random.default_rng(7)) for _ in range(5)]
+    a = [sample(logits, params, random_stream(7).uniform(k)) for k in range(5)]
+    b = [sample(logits, params, random_stream(7).uniform(k)) for k in range(5)]
     assert a == b
-    rng = np.random.default_rng(1)
-    draws = np.bincount([sample(logits, params, rng) for _ in range(20_000)], minlength=3) / 20_000
+    us = uniforms(random_stream(1).key, 0, np.arange(20_000, dtype=np.uint64))
+    draws = np.bincount([sample(logits, params, u) for u in us], minlength=3) / 20_000
     np.testing.assert_allclose(draws, [0.6, 0.3, 0.1], atol=0.015)
 
 
 def test_tokens_with_zero_probability_are_never_drawn():
     logits = np.array([0.0, 5.0, 0.0, 4.0])
     params = SamplingParams(temperature=1.0, top_k=2)
-    rng = np.random.default_rng(0)
-    assert {sample(logits, params, rng) for _ in range(2000)} == {1, 3}
+    us = uniforms(random_stream(0).key, 0, np.arange(2000, dtype=np.uint64))
+    assert {sample(logits, params, u) for u in us} == {1, 3}
+    assert sample(logits, params, 1 - 2**-24) == 3  # a uniform past the last sum takes the last kept token

@@ -73,10 +73,12 @@ def test_last_position_logits_match_the_reference_in_a_shared_batch(smollm2, eng
         return out
 
     engine.driver.step = capture
+    engine.driver.device_picks = False  # every row's logits come back, greedy rows' too
     try:
         run_together(engine, [(p, SamplingParams(max_tokens=1, temperature=0)) for p in prompts])
     finally:
         engine.driver.step = inner
+        engine.driver.device_picks = True
     for p in prompts:
         ref = reference.logits(p, last_only=True)
         got = [lg for last, n, lg in captured if n == len(p) and last == (p[-1],)]

@@ -12,6 +12,7 @@ from poot.engine.drivers.base import DeviceFault
 from poot.engine.drivers.numpy_driver import NumpyDriver
 from poot.engine.params import InvalidRequest
 from poot.engine.prefix_cache import PrefixCache
+from poot.engine.random_stream import random_stream
 from poot.engine.scheduler import Scheduler
 from poot.engine.sequence import Sequence, Status
 from poot.engine.stops import StopChecker
@@ -152,9 +153,9 @@ SpecCountersSwapped = metrics_defect("SpecCountersSwapped", _swap_spec)
 NoMetricsSteps = metrics_defect("NoMetricsSteps", lambda m: m.pop("engine_steps"))
 
 
-def ignore_seed(seed):
+def ignore_seed(seed, choice=0):
     """A random stream that ignores the request's seed."""
-    return np.random.default_rng()
+    return random_stream(None, choice)
 
 
 # ---- the scheduler ----------------------------------------------------------------------------
