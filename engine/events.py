@@ -57,9 +57,10 @@ class Finished:
     error: str | None = None  # why, when reason == "error"
     text: str = ""  # held-back text released at the end (never part of a stop string)
     # Seconds from submission to taking a row, and from taking a row to the first output
-    # token (None where the request never got that far).
-    queued_s: float | None = None
-    prefill_s: float | None = None
+    # token (None where the request never got that far). Timings, not outcomes: two runs of
+    # the same requests finish equal whatever they took.
+    queued_s: float | None = field(default=None, compare=False)
+    prefill_s: float | None = field(default=None, compare=False)
 
 
 Event = Accepted | Rejected | Tokens | PromptLogprobs | Finished
