@@ -56,19 +56,20 @@ class Plan:
 
     def step_budget(self, decoding_rows: int) -> int:
         """The tokens one step may feed beside `decoding_rows` decoding rows (their own tokens
-        included): the idle budget when none decodes; else at most token_budget, and no more
-        than max(2D, D + prefill_chunk). A step's cost grows with the tokens it feeds, so
-        prefill at most doubles what the decoding rows' own step costs, however few they
-        are. On a device whose products are padded to a width, the cap rounds down while
-        the rows fill less than one width (a step over it costs a whole width more) and up
-        beyond (the padding is a small share of the step)."""
+        included): the idle budget when none decodes; else at most token_budget, and at most
+        2D + prefill_chunk. A step reads the weights once, which costs about prefill_chunk
+        tokens' arithmetic, and then computes each token it feeds, so its cost goes as
+        prefill_chunk + T: at 2D + prefill_chunk tokens a step costs about twice what the D
+        decoding rows' own step would, however few they are. On a device whose products are
+        padded to a width the cap rounds down to it (a step over a width costs the next
+        whole width), but never to D or below."""
         if decoding_rows == 0:
             return self.max_step_tokens
         if not self.prefill_chunk:
             return self.token_budget
         d, m = decoding_rows, max(1, self.token_multiple)
-        cap = d + max(d, self.prefill_chunk)
-        rounded = (cap // m) * m if d < m else -(-cap // m) * m
+        cap = 2 * d + self.prefill_chunk
+        rounded = (cap // m) * m
         return min(self.token_budget, rounded if rounded > d else cap)
 
     @property
@@ -121,8 +122,8 @@ def fit_plan(device: DeviceInfo, config, weight_bytes: int, model_name: str = ""
     rows = max(1, device.parallel_rows)
     multiple = max(1, device.token_multiple)
     chunk = prefill_chunk(device)
-    # Beside every row decoding, prefill may double the step (Plan.step_budget).
-    token_budget = -(-(rows + max(rows, chunk)) // multiple) * multiple
+    # Every row decoding, a step may cost twice their own step (Plan.step_budget).
+    token_budget = max(rows + 1, (2 * rows + chunk) // multiple * multiple)
     idle_budget = max(token_budget, -(-idle_prefill_chunk(device) // multiple) * multiple)
     if getattr(config, "recurrent", False):
         return Plan(device.backend, rows, positions, BLOCK_SIZE, 0, token_budget, model_name, state_slots=rows,
