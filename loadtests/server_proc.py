@@ -30,11 +30,12 @@ class BundledServer:
     """Context manager: `with BundledServer() as url: ...`."""
 
     def __init__(self, model: str = "synthetic", extra: list[str] | None = None, startup_timeout: float = 60.0,
-                 log_path: str | None = None):
+                 log_path: str | None = None, api_key: str | None = None):
         self.model = model
         self.extra = extra or []
         self.startup_timeout = startup_timeout
         self.log_path = log_path
+        self.api_key = api_key  # the server requires it (POOT_API_KEY); /health stays open
         self.proc: subprocess.Popen | None = None
         self.port = 0
         self._log = None
@@ -47,7 +48,8 @@ class BundledServer:
         self.port = free_port()
         cmd = serve_command(self.port, self.model, self.extra)
         self._log = open(self.log_path, "w", encoding="utf-8") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
+        env = {**os.environ, "POOT_API_KEY": self.api_key} if self.api_key else None
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         deadline = time.time() + self.startup_timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
