@@ -251,6 +251,11 @@ def test_request_beyond_context_gets_400(client: Client):
     for path, body in (("/v1/completions", client.body("hello", max_tokens=too_many)),
                        ("/v1/chat/completions", {"model": client.model, "max_tokens": too_many,
                                                  "messages": [{"role": "user", "content": "hello"}]})):
+        # Streamed first: a server that takes the request shows it in its status line, and the
+        # hang-up that follows ends it there (a server may run a non-streamed one on for long).
+        with client.http.stream("POST", path, json={**body, "stream": True}, timeout=10.0) as streamed:
+            status = streamed.status_code
+        assert status == 400, f"max_tokens={too_many} on {path} (streamed) answered {status}, expected 400"
         r = refusal(client, path, body, f"max_tokens={too_many} on {path}")
         assert r.status_code == 400, f"max_tokens={too_many} on {path} answered {r.status_code}, expected 400"
         error_object(r)
