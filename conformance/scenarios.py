@@ -109,15 +109,20 @@ class Mux:
         self.streams = streams
         self.order: list[tuple[float, int, str]] = []  # (time, index, "data" | "end")
 
-    def run(self, until=None, timeout: float = 60.0) -> None:
-        """Reads until every stream ended (or `until(self)` holds)."""
-        deadline = time.monotonic() + timeout
+    def run(self, until=None, timeout: float = 60.0, most: float = 900.0) -> None:
+        """Reads until every stream ended (or `until(self)` holds). Fails when no open stream
+        has sent anything for `timeout` seconds, or after `most` seconds in all: a slow server
+        that keeps streaming is waited for, a stalled one is not."""
+        started = moved = time.monotonic()
         open_ = {s.request.sock: i for i, s in enumerate(self.streams) if not s.request.closed and s.finished is None}
         while open_ and not (until and until(self)):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise ServerError(f"streams still open after {timeout:.0f}s")
-            ready, _, _ = select.select(list(open_), [], [], min(left, 0.5))
+            now = time.monotonic()
+            if now - moved > timeout:
+                raise ServerError(f"streams still open after {now - started:.0f}s, none sending anything for "
+                                  f"{timeout:.0f}s")
+            if now - started > most:
+                raise ServerError(f"streams still open after {most:.0f}s")
+            ready, _, _ = select.select(list(open_), [], [], min(timeout - (now - moved), 0.5))
             now = time.monotonic()
             for sock in ready:
                 i = open_[sock]
@@ -126,6 +131,8 @@ class Mux:
                     data = sock.recv(65536)
                 except OSError:
                     data = b""
+                if data:
+                    moved = now
                 stream.request.received += data
                 if stream.first_data is None and b"data:" in stream.body:
                     stream.first_data = now
@@ -167,6 +174,17 @@ class Probes:
 
     def long_params(self, max_tokens: int) -> dict:
         return {"max_tokens": max_tokens, "temperature": 0, **self.long_extra()}
+
+    def tokens_lasting(self, seconds: float, most: int, least: int = 64) -> int:
+        """max_tokens for a request that decodes about `seconds` on this server as it runs now,
+        within [least, most]: for requests a server may run on to their end after a hang-up,
+        long enough to tell a release from an end on a fast server, short enough on a slow
+        one. Timed on a short greedy request, overhead included, so it errs short."""
+        n = 16
+        started = time.monotonic()
+        self.client.complete(unique_text(16), **self.long_params(n))
+        per_token = max(1e-6, (time.monotonic() - started) / n)
+        return max(least, min(most, int(seconds / per_token)))
 
     def eos_case(self) -> tuple[str, dict]:
         """A prompt and params whose answer ends by itself (EOS) before max_tokens, reproducibly."""

@@ -26,6 +26,7 @@ import httpx
 
 from poot.loadtests import convoy as convoy_mod
 from poot.loadtests import memory, report, scrape, stats
+from poot.loadtests.keys import ENV_VAR, api_key, headers
 from poot.loadtests.server_proc import BundledServer
 from poot.loadtests.workloads import DESCRIPTIONS, SCENARIOS, Lengths, build, scenario_config
 
@@ -36,7 +37,8 @@ LOCUSTFILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "locustfil
 def _target(a, out: str):
     """The server to load: started here with --serve (returned, to be stopped), or --url."""
     if a.serve:
-        server = BundledServer(a.serve_model, a.serve_args.split(), log_path=os.path.join(out, "server.log"))
+        server = BundledServer(a.serve_model, a.serve_args.split(), log_path=os.path.join(out, "server.log"),
+                               api_key=a.key)
         _say(a, "starting poot-serve ...")
         return server, server.start()
     if a.url:
@@ -55,6 +57,9 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--serve-model", default="synthetic")
     t.add_argument("--serve-args", default="", help="extra poot-serve options, e.g. '--draft ngram'")
     t.add_argument("--model", default=None, help="model name to send (default: first of /v1/models)")
+    t.add_argument("--api-key", help=f"bearer token sent on every request, /metrics scrapes included (default: "
+                                     f"${ENV_VAR}); with --serve the bundled server requires it. Never printed or "
+                                     "written to a report")
     t.add_argument("--endpoint", choices=("completions", "chat"), default=None)
     w = p.add_argument_group("workload (defaults depend on the scenario)")
     w.add_argument("--seed", type=int)
@@ -119,9 +124,9 @@ def _overrides(a) -> dict:
     return o
 
 
-def discover_model(url: str) -> str:
+def discover_model(url: str, key: str | None = None) -> str:
     try:
-        r = httpx.get(url.rstrip("/") + "/v1/models", timeout=5)
+        r = httpx.get(url.rstrip("/") + "/v1/models", timeout=5, headers=headers(key))
         data = r.json().get("data") or []
         if data:
             return data[0]["id"]
@@ -135,7 +140,8 @@ def _say(a, *msg) -> None:
         print(*msg, flush=True)
 
 
-def run_locust(url: str, cfg, out: str, users: int, run_time: float, extra: str, quiet: bool) -> int:
+def run_locust(url: str, cfg, out: str, users: int, run_time: float, extra: str, quiet: bool,
+               key: str | None = None) -> int:
     # Users spawn within ~50 ms so the open-loop pool is ready before the first arrivals.
     cmd = [sys.executable, "-m", "locust", "-f", LOCUSTFILE, "--headless", "-u", str(users), "-r", str(users * 20),
            "-t", f"{int(max(1, run_time))}s", "--host", url, "--csv", os.path.join(out, "locust"),
@@ -143,6 +149,8 @@ def run_locust(url: str, cfg, out: str, users: int, run_time: float, extra: str,
            "--logfile", os.path.join(out, "locust.log"), "--exit-code-on-error", "0",
            "--poot-config", json.dumps(cfg.as_dict()), "--poot-out", out] + extra.split()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if key:  # through the environment: a command line is visible to every user of the machine
+        env[ENV_VAR] = key
     with open(os.path.join(out, "locust.stdout"), "w", encoding="utf-8") as log:
         try:
             proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=run_time + 60)
@@ -193,20 +201,20 @@ def run_scenario(a) -> int:
         if url is None:
             return 2
         if not cfg.model:
-            cfg = replace(cfg, model=discover_model(url))
+            cfg = replace(cfg, model=discover_model(url, a.key))
         _say(a, f"{a.scenario}: {DESCRIPTIONS.get(a.scenario, '')}\ntarget {url}, model {cfg.model}, report {out}")
-        scraper = scrape.Scraper(url, a.scrape_interval).start()
+        scraper = scrape.Scraper(url, a.scrape_interval, api_key=a.key).start()
         rss = None
         if cfg.cycle:
-            rss = memory.RssSampler(server.pid if server else None, url, a.rss_interval).start()
+            rss = memory.RssSampler(server.pid if server else None, url, a.rss_interval, api_key=a.key).start()
         started = time.strftime("%Y-%m-%d %H:%M:%S")
         users = cfg.concurrency if cfg.mode == "closed" else max(cfg.concurrency, 32 if a.concurrency is None else 0)
         specs = build(cfg)
         users = max(1, min(users, len(specs)))
         t_load = time.time()
-        code = run_locust(url, cfg, out, users, a.run_time, a.locust_args, a.quiet)
+        code = run_locust(url, cfg, out, users, a.run_time, a.locust_args, a.quiet, a.key)
         t_load_end = time.time()
-        idle = scrape.wait_idle(url, a.idle_timeout)
+        idle = scrape.wait_idle(url, a.idle_timeout, api_key=a.key)
         samples = scraper.stop()
         mem = None
         if rss is not None:
@@ -269,16 +277,16 @@ def run_convoy(a) -> int:
         if url is None:
             return 2
         if not ccfg.model:
-            ccfg = replace(ccfg, model=discover_model(url))
+            ccfg = replace(ccfg, model=discover_model(url, a.key))
         _say(a, f"convoy: {ccfg.requests} requests at {ccfg.rate}/s, B={ccfg.batch}, T={ccfg.timeout * 1e3:.0f} ms; "
                 f"target {url}")
-        scraper = scrape.Scraper(url, min(a.scrape_interval, 0.1)).start()
+        scraper = scrape.Scraper(url, min(a.scrape_interval, 0.1), api_key=a.key).start()
 
         def between():
-            scrape.wait_idle(url, a.idle_timeout)
+            scrape.wait_idle(url, a.idle_timeout, api_key=a.key)
 
         async def bounded():
-            return await asyncio.wait_for(convoy_mod.run_all(url, ccfg, between), timeout=a.run_time)
+            return await asyncio.wait_for(convoy_mod.run_all(url, ccfg, between, a.key), timeout=a.run_time)
 
         try:
             results = asyncio.run(bounded())
@@ -286,7 +294,7 @@ def run_convoy(a) -> int:
             print(f"poot-load: convoy run exceeded --run-time {a.run_time:.0f}s", file=sys.stderr)
             scraper.stop()
             return 1
-        idle = scrape.wait_idle(url, a.idle_timeout)
+        idle = scrape.wait_idle(url, a.idle_timeout, api_key=a.key)
         samples = scraper.stop()
     finally:
         if server is not None:
@@ -338,6 +346,7 @@ def rebuild_report(folder: str, a) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
+    a.key = api_key(a.api_key)
     if a.scenario == "list":
         for name in list(SCENARIOS) + ["convoy"]:
             print(f"{name:14s} {DESCRIPTIONS[name]}")

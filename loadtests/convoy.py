@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import httpx
 
 from poot.loadtests.client import stream_into
+from poot.loadtests.keys import headers
 from poot.loadtests.sse import StreamRecorder
 from poot.loadtests.stats import describe, gaps, percentile
 from poot.loadtests.workloads import Lengths, LoadConfig, RequestSpec, build, request_body
@@ -85,13 +86,13 @@ def group_plan(arrivals: list[float], policy: str, batch: int, timeout: float) -
     raise ValueError(policy)
 
 
-async def run_policy(url: str, ccfg: ConvoyConfig, policy: str) -> dict:
+async def run_policy(url: str, ccfg: ConvoyConfig, policy: str, api_key: str | None = None) -> dict:
     cfg = ccfg.load_config()
     specs = build(cfg)
     n = len(specs)
     limits = httpx.Limits(max_connections=max(ccfg.batch, 1) + 4, max_keepalive_connections=ccfg.batch + 4)
     records: list[dict] = []
-    async with httpx.AsyncClient(base_url=url, limits=limits) as client:
+    async with httpx.AsyncClient(base_url=url, limits=limits, headers=headers(api_key)) as client:
         t0 = time.perf_counter()
         arrival = [t0 + s.arrival for s in specs]
 
@@ -186,12 +187,12 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-async def run_all(url: str, ccfg: ConvoyConfig, between=None) -> list[dict]:
+async def run_all(url: str, ccfg: ConvoyConfig, between=None, api_key: str | None = None) -> list[dict]:
     """Runs the three policies one after the other; `between()` (sync) runs between phases,
     e.g. to wait until the server is idle again."""
     results = []
     for i, policy in enumerate(POLICIES):
         if i and between is not None:
             await asyncio.to_thread(between)
-        results.append(await run_policy(url, ccfg, policy))
+        results.append(await run_policy(url, ccfg, policy, api_key))
     return results

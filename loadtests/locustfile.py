@@ -19,6 +19,9 @@ late because the pool was busy records the lag. In closed loop each user sends t
 as soon as its previous one ended. The run ends when the workload is used up (or at -t); with
 `cycle` (the soak) a closed loop starts the list again and the run ends at -t only.
 
+A server behind a key: set OPENAI_API_KEY (poot-load does, from its --api-key); every
+request then carries it as a bearer token.
+
 Distributed: pass `--poot-workers N` to the master; worker i of N takes specs i, i+N, ...
 Each worker writes its own JSONL file; when all workers are done the master stops the test.
 
@@ -39,6 +42,7 @@ from locust import HttpUser, events, task
 from locust.exception import StopUser
 from locust.runners import MasterRunner, WorkerRunner
 
+from poot.loadtests.keys import api_key, headers
 from poot.loadtests.sse import StreamRecorder
 from poot.loadtests.stats import request_metrics
 from poot.loadtests.workloads import LoadConfig, build, request_body
@@ -132,6 +136,10 @@ class LlmUser(HttpUser):
 
     def wait_time(self):  # noqa: D401 - locust hook
         return 0
+
+    def on_start(self):
+        # poot-load hands the key over in the environment (OPENAI_API_KEY), never on argv.
+        self.client.headers.update(headers(api_key()))
 
     @task
     def one_request(self):

@@ -29,8 +29,8 @@ def proc_rss_bytes(pid: int) -> int | None:
     return None
 
 
-def metrics_rss_bytes(url: str) -> int | None:
-    m = scrape.fetch(url)
+def metrics_rss_bytes(url: str, api_key: str | None = None) -> int | None:
+    m = scrape.fetch(url, api_key=api_key)
     if m is None or RSS_METRIC not in m:
         return None
     return int(m[RSS_METRIC])
@@ -43,9 +43,10 @@ class RssSampler:
     or None when neither gave a value."""
 
     def __init__(self, pid: int | None = None, url: str | None = None, interval: float = 2.0,
-                 max_samples: int = 100000):
+                 max_samples: int = 100000, api_key: str | None = None):
         self.pid = pid
         self.url = url
+        self.api_key = api_key  # for a server whose /metrics needs it
         self.interval = interval
         self.max_samples = max_samples
         self.samples: list[tuple[float, int]] = []
@@ -60,7 +61,7 @@ class RssSampler:
                 self.source = "proc"
                 return v
         if self.url is not None:
-            v = metrics_rss_bytes(self.url)
+            v = metrics_rss_bytes(self.url, self.api_key)
             if v is not None:
                 self.source = "metrics"
                 return v

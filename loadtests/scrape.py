@@ -8,6 +8,8 @@ import time
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from poot.loadtests.keys import headers
+
 # Series shown in reports (names as in docs/contracts.md). Counters are stored under their
 # sample names (with _total), gauges as they are.
 TRACKED = ("engine_requests_running", "engine_requests_waiting", "kv_blocks_in_use", "kv_blocks_reserved",
@@ -31,11 +33,13 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
-def fetch(url: str, client: httpx.Client | None = None, timeout: float = 2.0) -> dict[str, float] | None:
-    """One scrape; None when the server has no /metrics or does not answer."""
+def fetch(url: str, client: httpx.Client | None = None, timeout: float = 2.0,
+          api_key: str | None = None) -> dict[str, float] | None:
+    """One scrape (with the key, for a server whose /metrics needs it); None when the server
+    has no /metrics or does not answer."""
     try:
         if client is None:
-            r = httpx.get(url.rstrip("/") + "/metrics", timeout=timeout)
+            r = httpx.get(url.rstrip("/") + "/metrics", timeout=timeout, headers=headers(api_key))
         else:
             r = client.get(url.rstrip("/") + "/metrics", timeout=timeout)
     except httpx.HTTPError:
@@ -51,8 +55,9 @@ def fetch(url: str, client: httpx.Client | None = None, timeout: float = 2.0) ->
 class Scraper:
     """Background thread sampling /metrics every `interval` seconds (bounded by `max_samples`)."""
 
-    def __init__(self, url: str, interval: float = 0.5, max_samples: int = 20000):
+    def __init__(self, url: str, interval: float = 0.5, max_samples: int = 20000, api_key: str | None = None):
         self.url = url
+        self._headers = headers(api_key)
         self.interval = interval
         self.max_samples = max_samples
         self.samples: list[dict] = []   # {"t": wall time, metric: value, ...}
@@ -70,7 +75,7 @@ class Scraper:
         return self.samples
 
     def _run(self) -> None:
-        with httpx.Client() as client:
+        with httpx.Client(headers=self._headers) as client:
             misses = 0
             while not self._stop.is_set() and len(self.samples) < self.max_samples:
                 t = time.time()
@@ -88,13 +93,13 @@ class Scraper:
                 self._stop.wait(self.interval)
 
 
-def wait_idle(url: str, timeout: float = 15.0, interval: float = 0.25) -> dict:
+def wait_idle(url: str, timeout: float = 15.0, interval: float = 0.25, api_key: str | None = None) -> dict:
     """Polls /metrics until no request runs or waits and no KV block is reserved.
 
     Returns {"ok": bool | None, "waited_s", "last": {...}}; ok is None without /metrics."""
     start = time.time()
     last = None
-    with httpx.Client() as client:
+    with httpx.Client(headers=headers(api_key)) as client:
         while True:
             m = fetch(url, client)
             if m is None and last is None and time.time() - start > 2.0:

@@ -51,8 +51,9 @@ class CommandServer:
     Context manager: `with CommandServer("my-server --port {port}") as url: ...`."""
 
     def __init__(self, command: str | list[str], startup_timeout: float = 60.0, log_path: str | None = None,
-                 name: str = "server"):
+                 name: str = "server", env: dict[str, str] | None = None):
         self.command = command
+        self.env = env  # extra environment for the server (a key it requires, say)
         self.startup_timeout = startup_timeout
         self.log_path = log_path
         self.name = name
@@ -83,9 +84,10 @@ class CommandServer:
         self.port = free_port()
         cmd = self.argv(self.port)
         self._log = open(self.log_path, "w", encoding="utf-8") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        env = {**os.environ, **self.env} if self.env else None
         # A session of its own: a Ctrl-C meant for the caller does not reach the server first.
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     start_new_session=True)
+                                     start_new_session=True, env=env)
         deadline = time.time() + self.startup_timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
@@ -128,10 +130,12 @@ class BundledServer(CommandServer):
     """poot-serve on MODEL (synthetic by default) with extra options."""
 
     def __init__(self, model: str = "synthetic", extra: list[str] | None = None, startup_timeout: float = 60.0,
-                 log_path: str | None = None):
+                 log_path: str | None = None, api_key: str | None = None):
         self.model = model
         self.extra = extra or []
-        super().__init__(serve_command(0, model, self.extra), startup_timeout, log_path, name="poot-serve")
+        self.api_key = api_key  # the server requires it (POOT_API_KEY); /health stays open
+        super().__init__(serve_command(0, model, self.extra), startup_timeout, log_path, name="poot-serve",
+                         env={"POOT_API_KEY": api_key} if api_key else None)
 
     def argv(self, port: int) -> list[str]:
         return serve_command(port, self.model, self.extra)

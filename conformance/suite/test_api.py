@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import secrets
 
 import httpx
 import pytest
@@ -233,6 +234,16 @@ def test_errors_name_the_parameter(client: Client):
     assert not wrong, "; ".join(wrong)
 
 
+def refusal(client: Client, path: str, body: dict, what: str, within: float = 10.0) -> httpx.Response:
+    """The answer to a request that must be refused at once; failing the clause, and saying so,
+    when none comes within `within` seconds (the server took the request and is running it)."""
+    try:
+        return client.http.post(path, json=body, timeout=within)
+    except httpx.TimeoutException:
+        raise AssertionError(f"{what} got no answer within {within:.0f} s, expected 400 at once: "
+                             "the server took the request and is running it") from None
+
+
 @clause("api/errors/4")
 def test_request_beyond_context_gets_400(client: Client):
     plan = {"positions": client.facts.get("positions") if client.facts else (client.plan() or {}).get("positions")}
@@ -240,12 +251,18 @@ def test_request_beyond_context_gets_400(client: Client):
     for path, body in (("/v1/completions", client.body("hello", max_tokens=too_many)),
                        ("/v1/chat/completions", {"model": client.model, "max_tokens": too_many,
                                                  "messages": [{"role": "user", "content": "hello"}]})):
-        r = client.http.post(path, json=body, timeout=10.0)
+        # Streamed first: a server that takes the request shows it in its status line, and the
+        # hang-up that follows ends it there (a server may run a non-streamed one on for long).
+        with client.http.stream("POST", path, json={**body, "stream": True}, timeout=10.0) as streamed:
+            status = streamed.status_code
+        assert status == 400, f"max_tokens={too_many} on {path} (streamed) answered {status}, expected 400"
+        r = refusal(client, path, body, f"max_tokens={too_many} on {path}")
         assert r.status_code == 400, f"max_tokens={too_many} on {path} answered {r.status_code}, expected 400"
         error_object(r)
     if plan.get("positions"):
         long_prompt = "x " * (plan["positions"] * 2)
-        r = client.http.post("/v1/completions", json=client.body(long_prompt, max_tokens=1), timeout=10.0)
+        r = refusal(client, "/v1/completions", client.body(long_prompt, max_tokens=1),
+                    f"a prompt of {plan['positions'] * 2}+ tokens")
         assert r.status_code == 400, f"a prompt of {plan['positions'] * 2}+ tokens answered {r.status_code}, expected 400"
 
 
@@ -261,13 +278,44 @@ def test_token_id_prompt_is_accepted(client: Client):
     assert body["usage"]["prompt_tokens"] >= 5, f"prompt_tokens is {body['usage']['prompt_tokens']}"
 
 
+# How to start a keyed server of a known kind from its command: (extra options, environment).
+KEYED_START = {
+    "poot": lambda key: ((), {"POOT_API_KEY": key}),
+    "llamacpp": lambda key: (("--api-key", key), {}),
+    "vllm": lambda key: (("--api-key", key), {}),
+}
+
+
 @clause("api/auth/1")
-def test_keyed_server_refuses_requests_without_its_key(client: Client):
-    if not client.api_key:
-        raise NotSupported("needs the server's API key (--api-key or OPENAI_API_KEY) to tell a refusal from an outage")
+def test_keyed_server_refuses_requests_without_its_key(client: Client, target, spawn):
+    if client.api_key:
+        return refuses_without_its_key(client)
+    kind = target.facts.get("kind")
+    if kind not in KEYED_START:
+        raise NotSupported("needs the server's API key (--api-key or OPENAI_API_KEY) to tell a refusal from an outage, "
+                           f"or a server command of a kind whose key option is known ({', '.join(KEYED_START)}), "
+                           f"not {kind}")
+    target.can_spawn()
+    key = secrets.token_urlsafe(24)
+    args, env = KEYED_START[kind](key)
+    server = spawn(args, env)
+    server.wait_healthy(target.options.getoption("poot_startup_timeout"))
+    keyed = Client(server.url, model=client.model, api_key=key)
+    try:
+        refuses_without_its_key(keyed)
+    finally:
+        keyed.close()
+
+
+def refuses_without_its_key(client: Client) -> None:
     body = client.body("hello", max_tokens=2)
     for what, headers in (("no key", {}), ("a wrong key", {"authorization": "Bearer not-" + "x" * 12})):
         r = httpx.post(client.base_url + "/v1/completions", json=body, headers=headers, timeout=10.0)
         assert r.status_code == 401, f"a completion request with {what} answered {r.status_code}, expected 401"
-        error_object(r)
+        try:
+            message = (r.json().get("error") or {}).get("message")
+        except (ValueError, AttributeError):
+            message = None
+        assert isinstance(message, str) and message, \
+            f"the 401 to a request with {what} has no error.message: {r.text[:200]!r}"
     client.complete("hello", max_tokens=2)  # and with the key it is served

@@ -7,12 +7,16 @@ import time
 import pytest
 
 from poot.conformance import timing
-from poot.conformance.client import Client, RawRequest
+from poot.conformance.client import Client, RawRequest, ServerError
 from poot.conformance.facts import Facts
 from poot.conformance.outcomes import NotSupported
 from poot.conformance.scenarios import Probes, RawStream, fill_rows, rows_and_positions, unique_text
 
 clause = pytest.mark.clause
+# A request that a server may run on to its end after its client hung up is sized to decode
+# for about this long alone: on a fast server it is capped by the positions, on a slow one it
+# keeps what a departure leaves running short.
+LEFT_RUNNING_S = 20.0
 
 
 def finished(client: Client, reason: str) -> float | None:
@@ -52,11 +56,22 @@ def steps_per_poll(client: Client, polls: int = 3, interval: float = 0.002) -> f
 
 
 def steps_until_released(client: Client, hang_up, running_before: float, what: str) -> float:
-    """Hangs up, then counts engine steps until the running gauge is back to `running_before`."""
+    """Hangs up, then counts engine steps until the running gauge is back to `running_before`.
+    A request not released within 10 s is waited on to its end (as long as the engine steps),
+    so the failure says what became of it and the next clause finds the server idle."""
     hang_up()
+    hung_up = time.monotonic()
     start = steps_after_notice(client)
-    snap = client.wait_until(lambda s: s.get("engine_requests_running", 0) <= running_before, 10,
-                             f"the {what} request to be released after its client hung up")
+    try:
+        snap = client.wait_until(lambda s: s.get("engine_requests_running", 0) <= running_before, 10,
+                                 f"the {what} request to be released after its client hung up")
+    except ServerError as e:
+        try:
+            end = client.wait_idle(timeout=30, gauges=("engine_requests_running",))
+        except ServerError as still:
+            raise ServerError(f"{e}; {still}") from None
+        raise ServerError(f"{e}: it ran on for {end.get('engine_steps_total') - start:.0f} engine steps, "
+                          f"{time.monotonic() - hung_up:.0f} s after the hang-up, until it ended by itself") from None
     return snap.get("engine_steps_total") - start
 
 
@@ -100,7 +115,8 @@ def test_non_streaming_hang_up_ends_within_one_step(target, client: Client, prob
     client.need("steps", "running")
     cancelled = finished(client, "cancelled")
     positions = client.need("positions")["positions"]
-    body = client.body(unique_text(20), **probes.long_params(positions - 40))
+    max_tokens = probes.tokens_lasting(LEFT_RUNNING_S, positions - 40, least=256)
+    body = client.body(unique_text(20), **probes.long_params(max_tokens))
     request = RawRequest(client.base_url, "/v1/completions", body, api_key=client.api_key)
     try:
         wait_running(client, 1)
@@ -127,8 +143,14 @@ def test_waiting_request_whose_client_left_never_opens(target, client: Client, p
         lag = steps_per_poll(client)
         waiter.close()
         start = steps_after_notice(client)
-        snap = client.wait_until(lambda s: s.get("engine_requests_waiting", 0) == 0, 10,
-                                 "the waiting request to leave the queue")
+        try:
+            snap = client.wait_until(lambda s: s.get("engine_requests_waiting", 0) == 0, 10,
+                                     "the waiting request to leave the queue")
+        except ServerError:
+            now = client.metrics()
+            raise ServerError(f"the queued request whose client left was still in the queue 10 s later "
+                              f"(engine_requests_waiting {now.get('engine_requests_waiting'):.0f}, "
+                              f"{now.get('engine_steps_total') - start:.0f} engine steps on)") from None
         steps = snap.get("engine_steps_total") - start
         assert snap.get("engine_requests_running") == rows, \
             f"{snap.get('engine_requests_running')} running after the queued client left, expected {rows}"
@@ -151,10 +173,14 @@ def test_cancelled_requests_give_back_their_blocks(client: Client, probes: Probe
             wait_running(client, 1)
         stream.close()
         client.wait_until(lambda s: s.get("engine_requests_running", 0) == 0, 10, "the release")
-    request = RawRequest(client.base_url, "/v1/completions", client.body(unique_text(30), **probes.long_params(positions - 48)),
+    max_tokens = probes.tokens_lasting(LEFT_RUNNING_S, positions - 48, least=256)
+    request = RawRequest(client.base_url, "/v1/completions", client.body(unique_text(30), **probes.long_params(max_tokens)),
                          api_key=client.api_key)
     wait_running(client, 1)
     request.close()
+    # How soon a hang-up is noticed is cancel/stream/1's and cancel/nonstream/1's; what this
+    # clause checks comes once the cancelled requests have ended, however late.
+    client.wait_idle(timeout=30, gauges=("engine_requests_running", "engine_requests_waiting"))
     if client.need("reservation")["reservation"] == "per_slot":
         return every_slot_still_runs(client, probes, "after 5 cancelled requests")
     client.need("kv_blocks")

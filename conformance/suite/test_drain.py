@@ -33,7 +33,7 @@ def run_drain(spawn, timeout: float) -> Drain:
     drain = Drain()
     try:
         stream = RawStream.open(client, unique_text(16), max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
-        Mux([stream]).run(until=lambda m: stream.first_data is not None, timeout=30)
+        Mux([stream]).run(until=lambda m: stream.first_data is not None, timeout=120)  # a fresh server, maybe slow
         server.signal(signal.SIGTERM)
         with httpx.Client(timeout=2.0, headers=auth_headers(client.api_key)) as probe:
             for _ in range(3):

@@ -13,6 +13,9 @@ from poot.conformance.outcomes import NotSupported
 from poot.conformance.scenarios import Mux, Probes, RawStream, fill_rows, sse_chunks, unique_text
 
 clause = pytest.mark.clause
+# A server the clause starts itself may be slow to send its first tokens on a busy machine: the
+# wait lasts while nothing at all arrives for this long.
+STALL_S = 120.0
 
 
 def ended_in_error(stream: RawStream) -> bool:
@@ -95,7 +98,7 @@ def kill_engine(spawn, kind: str) -> Death:
     try:
         streams = [RawStream.open(client, unique_text(16), max_tokens=300, temperature=0, ignore_eos=True)
                    for _ in range(3)]
-        Mux(streams).run(until=lambda m: all(s.first_data is not None for s in streams), timeout=30)
+        Mux(streams).run(until=lambda m: all(s.first_data is not None for s in streams), timeout=STALL_S)
         before = held(client)
         client.fault(kind)
         Mux(streams).run(timeout=30)

@@ -16,6 +16,7 @@ from poot.conformance.outcomes import NotSupported
 from poot.conformance.scenarios import Mux, Probes, RawStream, fill_rows, rows_and_positions, unique_text
 
 clause = pytest.mark.clause
+DECODE_S = 30.0  # a decode that must outlive a burst of prompts lasts about this long alone
 
 
 @clause("loop/batching/1")
@@ -194,37 +195,44 @@ def slot_holds_the_whole_max_tokens(client: Client, probes: Probes) -> None:
     fillers = fill_rows(client, probes, rows - 1, [positions - 40] * (rows - 1)) if rows > 1 else []
     try:
         max_tokens = max(16, positions // 8)
-        answer = client.complete(unique_text(40), **probes.long_params(max_tokens))
+        # Streamed, so a slow server that keeps sending is waited for however long it takes.
+        answer = client.stream_ok(unique_text(40), stream_options={"include_usage": True}, **probes.long_params(max_tokens))
     finally:
         for f in fillers:
             f.close()
-    got = answer["usage"]["completion_tokens"]
-    assert answer["choices"][0]["finish_reason"] == "length" and got == max_tokens, \
+    got = (answer.usage or {}).get("completion_tokens", len([d for d in answer.deltas() if d]))
+    assert answer.finish_reason == "length" and got == max_tokens, \
         (f"with {rows - 1} other rows busy, a request of {max_tokens} max_tokens in a slot of {positions} positions "
-         f"ended {answer['choices'][0]['finish_reason']!r} after {got} tokens")
+         f"ended {answer.finish_reason!r} after {got} tokens")
+
+
+BURST_TIMEOUT_S = 300.0  # a burst of long prompts on a slow server: each answer may take this long
 
 
 def _burst(client: Client, k: int, chars: int):
     prompts = [unique_text(chars) for _ in range(k)]
     with ThreadPoolExecutor(k) as pool:
-        return list(pool.map(lambda p: client.complete(p, max_tokens=1), prompts))
+        return list(pool.map(lambda p: client.complete(p, max_tokens=1, timeout=BURST_TIMEOUT_S), prompts))
 
 
 @clause("loop/prefill/1")
 def test_decoding_rows_advance_every_step(client: Client, probes: Probes, idle):
-    plan = client.need("positions", "steps")
+    plan = client.need("positions", "steps", "running")
     budget = client.facts.get("token_budget") if client.facts else None
     long_chars = min(plan["positions"] - 24, 2 * budget) if budget else plan["positions"] - 24
-    max_tokens = plan["positions"] - 40
+    # Long enough to outlive the burst (checked), short enough to wait out on a slow server.
+    max_tokens = probes.tokens_lasting(DECODE_S, plan["positions"] - 40, least=256)
     before = client.metric("engine_steps_total")
     decode = RawStream.open(client, unique_text(16), **probes.long_params(max_tokens))
     try:
         Mux([decode]).run(until=lambda m: decode.first_data is not None, timeout=30)
         _burst(client, 4, long_chars)
+        beside = client.metrics().get("engine_requests_running", 0) >= 1
         Mux([decode]).run(timeout=60)
     finally:
         decode.close()
     assert decode.finish_reason() == "length", f"the decoding request ended {decode.finish_reason()!r}"
+    assert beside, f"the decoding request of {max_tokens} tokens ended before the burst was prefilled; the check needs it beside"
     client.wait_idle()
     steps = client.metric("engine_steps_total") - before
     assert steps <= max_tokens + 1, \
@@ -294,7 +302,7 @@ def prefill_budget_by_gaps(client: Client, probes: Probes, positions: int, budge
     near the time one budget of prompt tokens takes, not the whole burst's."""
     probe = unique_text(min(positions - 16, 2000))
     started = time.monotonic()
-    tokens = client.complete(probe, max_tokens=1)["usage"]["prompt_tokens"]
+    tokens = client.complete(probe, max_tokens=1, timeout=BURST_TIMEOUT_S)["usage"]["prompt_tokens"]
     per_token = (time.monotonic() - started) / max(1, tokens)  # overhead included: errs long
     chars_per_token = len(probe) / max(1, tokens)
     prompt_tokens = min(positions - 16, 3 * budget)

@@ -20,6 +20,8 @@ def cached_tokens(answer: dict) -> int:
 
 @clause("prefix/register/1")
 def test_finished_request_registers_whole_prompt_blocks(client: Client, idle):
+    if client.facts is not None and client.facts.get("reservation") == "per_slot" and not client.facts.has("block_size"):
+        return slot_keeps_the_whole_prompt(client)
     plan = client.need("block_size", "positions", "prefix_metrics")
     bs = plan["block_size"]
     registered = client.metric("prefix_registered_tokens")
@@ -30,6 +32,21 @@ def test_finished_request_registers_whole_prompt_blocks(client: Client, idle):
     assert grown % bs == 0, f"prefix_registered_tokens grew by {grown:.0f}, not a multiple of block_size {bs}"
     assert (p // bs - 1) * bs <= grown <= p, \
         f"a {p}-token prompt grew prefix_registered_tokens by {grown:.0f}; its whole blocks hold {(p // bs) * bs}"
+
+
+def slot_keeps_the_whole_prompt(client: Client) -> None:
+    """A fixed context per slot, no blocks: a finished request's prompt stays in its slot, so
+    the same prompt sent next has every token but the last one cached (that one is fed again
+    for the next token's logits)."""
+    plan = client.need("positions", "cached_tokens")
+    prompt = unique_text(min(plan["positions"] // 2, 400))
+    first = client.complete(prompt, max_tokens=2)
+    client.wait_idle()
+    again = client.complete(prompt, max_tokens=2)
+    p, got = first["usage"]["prompt_tokens"], cached_tokens(again)
+    assert got >= p - 1, \
+        (f"a finished {p}-token prompt sent again reports cached_tokens {got}; kept whole in its slot, at least "
+         f"{p - 1} (all but its last token) are cached")
 
 
 @clause("prefix/reuse/1")

@@ -8,15 +8,18 @@ import httpx
 import pytest
 
 from poot.conformance.client import Client
+from poot.conformance.facts import Facts
+from poot.conformance.outcomes import NotSupported
 
 clause = pytest.mark.clause
 
 ROW_AND_POSITION_OPTIONS = [("--rows", "3"), ("--max-num-seqs", "3"), ("--positions", "64"),
                             ("--max-model-len", "64"), ("--ctx-size", "64")]
 ROW_AND_POSITION_ENV = {name: "3" for name in ("POOT_ROWS", "POOT_NUM_ROWS", "POOT_MAX_ROWS", "ROWS",
-                                                 "MAX_NUM_SEQS", "POOT_MAX_NUM_SEQS", "N_PARALLEL")}
+                                                 "MAX_NUM_SEQS", "POOT_MAX_NUM_SEQS", "N_PARALLEL",
+                                                 "LLAMA_ARG_N_PARALLEL")}
 ROW_AND_POSITION_ENV |= {name: "64" for name in ("POOT_POSITIONS", "POOT_MAX_POSITIONS", "POSITIONS",
-                                                   "MAX_MODEL_LEN", "POOT_CTX_SIZE", "N_CTX")}
+                                                   "MAX_MODEL_LEN", "POOT_CTX_SIZE", "N_CTX", "LLAMA_ARG_CTX_SIZE")}
 
 
 def refuses(processes, timeout: float) -> list[str]:
@@ -57,9 +60,21 @@ def test_no_option_sets_rows_or_positions(spawn, target):
 @clause("startup/plan/2")
 def test_environment_does_not_change_the_plan(spawn, target, client: Client):
     base = client.need_plan("rows", "positions")
+    told = [f"{k} ({target.facts.known[k].source})" for k in ("rows", "positions")
+            if k in target.facts.known and "command" in target.facts.known[k].source]
+    if told:
+        raise NotSupported(f"{', '.join(told)} is read off the command line, not from the server, so an "
+                           "environment variable's effect on it cannot be seen")
     p = spawn(env=ROW_AND_POSITION_ENV)
     p.wait_healthy(target.options.getoption("poot_startup_timeout"))
-    other = Client(p.url).need_plan("rows", "positions")
+    probe = Client(p.url)
+    try:
+        # The second server's facts are read as the first one's were: its /health plan, or what
+        # its kind publishes (llama.cpp's /props).
+        probe.facts = Facts.discover(probe.http, dialect=target.facts.dialect)
+        other = probe.need_plan("rows", "positions")
+    finally:
+        probe.close()
     for key in ("rows", "positions"):
         assert other[key] == base[key], \
             f"with row/position environment variables set, plan.{key} is {other[key]}, without {base[key]}"

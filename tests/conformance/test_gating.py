@@ -84,6 +84,17 @@ def test_expectations_round_trip(url, tmp_path):
     assert "Unexpected passes" in changed.stdout and "api/models/1: expected failed, got passed" in changed.stdout
 
 
+def test_a_rewrite_keeps_what_was_confirmed_by_hand(url, tmp_path):
+    baseline = tmp_path / "expected.yaml"
+    baseline.write_text(yaml.safe_dump({"clauses": {
+        "metrics/names/1": {"expected": "not_supported", "reason": "no /metrics", "confirmed": "curl: 404"},
+        "api/health/1": {"expected": "failed", "reason": "was down", "confirmed": "curl: 500"}}}))
+    cli("--base-url", url, "api/health", "metrics/names", "--write-expectations", str(baseline))
+    written = yaml.safe_load(baseline.read_text())["clauses"]
+    assert written["metrics/names/1"] == {"expected": "not_supported", "reason": "no /metrics", "confirmed": "curl: 404"}
+    assert written["api/health/1"] == {"expected": "passed"}  # the outcome changed: the confirmation goes
+
+
 def test_known_failures_in_the_expectations_exit_zero(url, tmp_path):
     Stub.health_status = 500
     baseline = tmp_path / "expected.yaml"

@@ -2,7 +2,8 @@
 
 Streams `max_tokens` one-character chunks, one every `step_s` seconds, and exposes /health,
 /v1/models and a /metrics page with the gauges the reports read. Clients that disconnect stop
-their stream at the next write. Loopback only.
+their stream at the next write. With a key, every path but /health needs it as a bearer token
+(as llama.cpp's server does), and refused requests are counted. Loopback only.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
 class FakeState:
-    def __init__(self, step_s: float, max_tokens_cap: int = 400):
+    def __init__(self, step_s: float, max_tokens_cap: int = 400, key: str | None = None):
         self.step_s = step_s
+        self.key = key
+        self.refused: dict[str, int] = {}  # path -> requests answered 401
         self.cap = max_tokens_cap
         self.lock = threading.Lock()
         self.running = 0
@@ -39,7 +42,20 @@ def make_handler(state: FakeState):
             self.end_headers()
             self.wfile.write(body)
 
+        def _refused(self) -> bool:
+            if state.key is None or self.path == "/health" \
+                    or self.headers.get("Authorization") == f"Bearer {state.key}":
+                return False
+            if self.command == "POST":
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            with state.lock:
+                state.refused[self.path] = state.refused.get(self.path, 0) + 1
+            self._json(401, {"error": {"message": "Invalid API Key", "type": "authentication_error", "code": 401}})
+            return True
+
         def do_GET(self):
+            if self._refused():
+                return
             if self.path == "/health":
                 self._json(200, {"status": "ok", "plan": {"rows": 64}})
             elif self.path == "/v1/models":
@@ -65,6 +81,8 @@ def make_handler(state: FakeState):
             self.wfile.flush()
 
         def do_POST(self):
+            if self._refused():
+                return
             n = int(self.headers.get("Content-Length") or 0)
             req = json.loads(self.rfile.read(n) or b"{}")
             if self.path not in ("/v1/completions", "/v1/chat/completions"):
@@ -116,8 +134,8 @@ def make_handler(state: FakeState):
 
 
 class FakeServer:
-    def __init__(self, step_s: float = 0.005):
-        self.state = FakeState(step_s)
+    def __init__(self, step_s: float = 0.005, key: str | None = None):
+        self.state = FakeState(step_s, key=key)
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(self.state))
         self.httpd.daemon_threads = True
         self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)

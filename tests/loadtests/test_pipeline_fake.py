@@ -86,3 +86,53 @@ def test_open_loop_waits_for_users_sleeping_until_their_arrival(fake, tmp_path):
     st = json.loads((out / "summary.json").read_text())["stats"]
     assert st["requests"] == 8 and st["ok"] == 8
     assert st["schedule_lag"]["max"] < 0.5
+
+
+KEY = "load-" + "k" * 20
+
+
+def _all_text(folder) -> str:
+    return "".join(p.read_text(errors="replace") for p in folder.rglob("*") if p.is_file() and p.suffix != ".png")
+
+
+@pytest.mark.parametrize("how", ["option", "environment"])
+def test_the_api_key_is_sent_on_every_request_and_never_shown(how, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "keyed"
+    args = ["smoke", "--url", "URL", "--out", str(out), "--requests", "6", "--rate", "20", "--run-time", "30"]
+    if how == "option":
+        monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+        args += ["--api-key", KEY]
+    else:
+        monkeypatch.setenv("OPENAI_API_KEY", KEY)
+    with FakeServer(step_s=0.004, key=KEY) as fake:
+        code = main([fake.url if a == "URL" else a for a in args])
+        refused = dict(fake.state.refused)
+    assert code == 0, capsys.readouterr().out[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stats"]["errors"] == 0 and summary["stats"]["requests"] == 6
+    assert summary["server"]["available"] is True  # the /metrics scrapes carried the key
+    assert summary["checks"]["server idle afterwards"]["ok"] is True
+    assert refused == {}, f"requests without the key: {refused}"
+    shown = capsys.readouterr()
+    assert KEY not in shown.out + shown.err and KEY not in _all_text(out)
+
+
+def test_without_the_key_a_keyed_server_refuses_the_load(tmp_path, monkeypatch):
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    out = tmp_path / "unkeyed"
+    with FakeServer(step_s=0.004, key=KEY) as fake:
+        code = main(["smoke", "--url", fake.url, "--out", str(out), "--requests", "3", "--rate", "20",
+                     "--run-time", "20", "--quiet"])
+        refused = dict(fake.state.refused)
+    assert code == 1 and refused.get("/v1/completions") == 3
+
+
+def test_convoy_sends_the_key(tmp_path, monkeypatch):
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    out = tmp_path / "convoy"
+    with FakeServer(step_s=0.004, key=KEY) as fake:
+        code = main(["convoy", "--url", fake.url, "--out", str(out), "--requests", "6", "--rate", "40", "--batch", "2",
+                     "--output-lengths", "fixed:4", "--run-time", "60", "--quiet", "--api-key", KEY])
+        refused = dict(fake.state.refused)
+    assert code == 0 and refused == {}
+    assert KEY not in _all_text(out)
