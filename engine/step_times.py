@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from bisect import bisect_left
 
-from .step_tokens import cumulative
-
 KINDS = ("decode", "mixed", "prefill")
 # Seconds: from a tiny model's millisecond steps to a stall anyone would notice.
 BOUNDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -41,6 +39,10 @@ class StepTimes:
         """{"bounds": [...], kind: {"buckets": cumulative counts, "count", "sum", "host_sum", "max"}}."""
         out: dict = {"bounds": list(self.bounds)}
         for kind, counts in self._counts.items():
-            out[kind] = {"buckets": cumulative(counts), "count": sum(counts), "sum": self._sums[kind],
+            cumulative, total = [], 0
+            for c in counts[:-1]:
+                total += c
+                cumulative.append(total)
+            out[kind] = {"buckets": cumulative, "count": total + counts[-1], "sum": self._sums[kind],
                          "host_sum": self._host[kind], "max": self._max[kind]}
         return out

@@ -7,14 +7,8 @@ went over (vLLM exports tokens per iteration the same way)."""
 from __future__ import annotations
 
 from bisect import bisect_left
-from itertools import accumulate
 
 from .plan import Plan
-
-
-def cumulative(counts: list[int]) -> list[int]:
-    """Per-bucket counts (the last above every bound) as Prometheus' cumulative buckets."""
-    return list(accumulate(counts[:-1]))
 
 
 class StepTokens:
@@ -38,5 +32,9 @@ class StepTokens:
         """{"bounds": [...], kind: {"buckets": cumulative counts per bound, "count", "sum"}}."""
         out: dict = {"bounds": list(self.bounds)}
         for kind, counts in self._counts.items():
-            out[kind] = {"buckets": cumulative(counts), "count": sum(counts), "sum": self._sums[kind]}
+            cumulative, total = [], 0
+            for c in counts[:-1]:
+                total += c
+                cumulative.append(total)
+            out[kind] = {"buckets": cumulative, "count": total + counts[-1], "sum": self._sums[kind]}
         return out

@@ -13,8 +13,6 @@ import asyncio
 import time
 from bisect import bisect_left
 
-from poot.engine.step_tokens import cumulative
-
 TICK_S = 0.02
 BOUNDS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
@@ -32,7 +30,11 @@ class LoopLag:
         self.max = max(self.max, late)
 
     def cumulative(self) -> list[int]:
-        return cumulative(self.counts)
+        out, running = [], 0
+        for c in self.counts[:-1]:
+            running += c
+            out.append(running)
+        return out
 
     async def watch(self) -> None:
         while True:
