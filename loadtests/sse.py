@@ -1,8 +1,11 @@
 """Incremental Server-Sent Events parsing and the per-request stream recorder.
 
 Transport-agnostic: feed bytes as they arrive (from requests, httpx or a socket) and the
-recorder timestamps every OpenAI chunk that carries output text. The clock is injectable so
-tests can replay recorded timelines.
+recorder timestamps every OpenAI chunk that carries output text, and after the first one every
+step's chunk whose text the server held back (it sends the chunk with empty content): a
+stream's gaps are then the server's step cadence, not the text's (a control token or half a
+character would otherwise show as a gap of two steps). The clock is injectable so tests can
+replay recorded timelines.
 """
 
 from __future__ import annotations
@@ -66,6 +69,22 @@ def chunk_text(obj: dict) -> tuple[str, str | None]:
     return text, finish
 
 
+def is_step_chunk(obj: dict) -> bool:
+    """Whether a chunk is one step's output, text or not: a choice with a text field or a
+    content delta, no role (the chat stream's opening chunk) and no finish reason (the
+    closing chunk)."""
+    choices = obj.get("choices") or []
+    if not choices:
+        return False
+    for choice in choices:
+        if choice.get("finish_reason"):
+            return False
+        delta = choice.get("delta")
+        if "text" not in choice and not (isinstance(delta, dict) and "content" in delta and "role" not in delta):
+            return False
+    return True
+
+
 class StreamRecorder:
     """Records one streamed request: chunk arrival offsets, usage, finish reason, errors."""
 
@@ -112,7 +131,7 @@ class StreamRecorder:
             self.error = (err.get("message") if isinstance(err, dict) else str(err)) or "error event"
             return
         text, finish = chunk_text(obj)
-        if text:
+        if text or (self.chunks and is_step_chunk(obj)):
             self.chunks.append(now)
             self.chunk_chars.append(len(text))
             if self.keep_text:

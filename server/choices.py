@@ -111,7 +111,8 @@ class Answer:
     def choice_chunk(self, index: int, text: str, lp: dict | None, finish_reason: str | None = None,
                      role: bool = False) -> str:
         if self.p.chat:
-            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+            delta = ({"role": "assistant", "content": ""} if role
+                     else {"content": text} if text or finish_reason is None else {})
             return self.chunk([{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}])
         return self.chunk([{"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason}])
 
@@ -215,8 +216,7 @@ async def stream(answer: Answer, queues, engine, next_event, failure):
                 yield answer.choice_chunk(i, text, lp)
             elif isinstance(ev, Tokens):
                 text, lp = answer.on_tokens(out, ev)
-                if text or lp:
-                    yield answer.choice_chunk(i, text, lp)
+                yield answer.choice_chunk(i, text, lp)  # held-back text too: one chunk per step
             elif isinstance(ev, Finished):
                 pending -= 1
                 out.end = ev

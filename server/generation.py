@@ -142,14 +142,16 @@ async def collect(request, parsed, handle, queue, engine, rid, name) -> Response
 
 
 async def stream(parsed, queue, engine, chunks: ChunkMaker):
-    """The SSE events of a stream: one per committed step, then the final chunk and [DONE]."""
+    """The SSE events of a stream: one per committed step, then the final chunk and [DONE].
+    A step whose text is held back (an incomplete character, a possible stop string, a
+    control token with no text) still gets its chunk, with empty content: the stream shows
+    every step's token as it is committed, so a client can tell a stall from held text."""
     if parsed.chat:
         yield chunks.role()
     while True:
         ev = await next_event(queue, engine)
         if isinstance(ev, Tokens):
-            if ev.text:
-                yield chunks.text(ev.text)
+            yield chunks.text(ev.text)
         elif isinstance(ev, Finished):
             if ev.reason in ("stop", "length"):
                 yield chunks.text(ev.text, ev.reason)

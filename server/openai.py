@@ -236,7 +236,8 @@ class ChunkMaker:
 
     def text(self, text: str, finish_reason: str | None = None) -> str:
         if self.p.chat:
-            delta = {"content": text} if text else {}
+            # Only the final chunk has an empty delta; a step's chunk always says its content.
+            delta = {"content": text} if text or finish_reason is None else {}
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}

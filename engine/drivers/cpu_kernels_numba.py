@@ -6,6 +6,9 @@ everything it calls is a module-level global (kernels that called helpers or the
 as closure variables were rebuilt in every process, 12 s per start). Importing this module
 compiles nothing; `cpu_kernels` imports it only after choosing numba's target CPU and
 threading layer.
+
+Every kernel releases the GIL (nogil): the server's event loop, which streams tokens and
+answers /health, runs in the same process and would otherwise stop for each kernel's run.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ def exp(x):
     return p * float_from_bits((np.int32(n) + np.int32(127)) << np.int32(23))  # times 2^n
 
 
-@njit(parallel=True, fastmath=FASTMATH, cache=True, boundscheck=False, error_model=ERRORS)
+@njit(parallel=True, nogil=True, fastmath=FASTMATH, cache=True, boundscheck=False, error_model=ERRORS)
 def few_token_matmul(w, xt, out):
     """out (o, T) = w (o, i) @ xt.T, xt (T, i) contiguous. Register blocks of four weight
     rows by two tokens: each load of w serves two tokens, each load of xt four rows."""
@@ -98,7 +101,7 @@ def few_token_matmul(w, xt, out):
             r += 1
 
 
-@njit(parallel=True, fastmath=FASTMATH, cache=True, boundscheck=False, error_model=ERRORS)
+@njit(parallel=True, nogil=True, fastmath=FASTMATH, cache=True, boundscheck=False, error_model=ERRORS)
 def paged_attention(q, cache, tables, table_of, lengths, out):
     """q (Q, heads, hd) pre-scaled; cache (2, kv_heads, blocks, block_size, hd); query n
     attends keys 0 .. lengths[n] - 1 of the blocks tables[table_of[n]]; out (Q, heads * hd)."""
@@ -156,7 +159,7 @@ def paged_attention(q, cache, tables, table_of, lengths, out):
 # thread team's size (flipping it between products cost a one-row step about 2 ms).
 
 
-@njit(fastmath=FASTMATH, cache=True, boundscheck=False, error_model=ERRORS)
+@njit(nogil=True, fastmath=FASTMATH, cache=True, boundscheck=False, error_model=ERRORS)
 def rms_run(x, eps, out, t0, n):
     features = x.shape[0]
     base = np.uint64(t0)
@@ -172,7 +175,7 @@ def rms_run(x, eps, out, t0, n):
             out[f, base + np.uint64(t)] = x[f, base + np.uint64(t)] * acc[t]
 
 
-@njit(parallel=True, fastmath=FASTMATH, cache=True, boundscheck=False, error_model=ERRORS)
+@njit(parallel=True, nogil=True, fastmath=FASTMATH, cache=True, boundscheck=False, error_model=ERRORS)
 def rms_scale(x, eps, out, size):
     """out = x / rms(x) per token of a feature-major x (features, T)."""
     tokens = x.shape[1]
@@ -180,7 +183,7 @@ def rms_scale(x, eps, out, size):
         rms_run(x, eps, out, run * size, min(size, tokens - run * size))
 
 
-@njit(fastmath=FASTMATH, cache=True, boundscheck=False, error_model=ERRORS)
+@njit(nogil=True, fastmath=FASTMATH, cache=True, boundscheck=False, error_model=ERRORS)
 def silu_rows(gate_up, out, f0, n):
     inter, tokens = out.shape
     base = np.uint64(f0)
@@ -191,7 +194,7 @@ def silu_rows(gate_up, out, f0, n):
             out[u, t] = g / (np.float32(1) + exp(-g)) * gate_up[np.uint64(inter) + u, t]
 
 
-@njit(parallel=True, fastmath=FASTMATH, cache=True, boundscheck=False, error_model=ERRORS)
+@njit(parallel=True, nogil=True, fastmath=FASTMATH, cache=True, boundscheck=False, error_model=ERRORS)
 def silu_mul(gate_up, out):
     """out = silu(gate) * up, gate_up (2 inter, T) feature-major."""
     inter = out.shape[0]
@@ -199,7 +202,7 @@ def silu_mul(gate_up, out):
         silu_rows(gate_up, out, run * ROWS_PER_TASK, min(ROWS_PER_TASK, inter - run * ROWS_PER_TASK))
 
 
-@njit(fastmath=FASTMATH, cache=True, boundscheck=False, error_model=ERRORS)
+@njit(nogil=True, fastmath=FASTMATH, cache=True, boundscheck=False, error_model=ERRORS)
 def rope_run(qkv, rope, block, offset, cache, q_out, t0, n):
     heads, hd = q_out.shape[1], q_out.shape[2]
     kv_heads = cache.shape[1]
@@ -224,7 +227,7 @@ def rope_run(qkv, rope, block, offset, cache, q_out, t0, n):
                 cache[1, h, block[u], offset[u], e] = qkv[vbase + h * hd + e, u]
 
 
-@njit(parallel=True, fastmath=FASTMATH, cache=True, boundscheck=False, error_model=ERRORS)
+@njit(parallel=True, nogil=True, fastmath=FASTMATH, cache=True, boundscheck=False, error_model=ERRORS)
 def rope_store(qkv, rope, block, offset, cache, q_out, size):
     """Rotates each token's Q and K heads (adjacent pairs are one complex number; rope
     (T, hd) holds cos, sin interleaved for each token's position), writes K and V into
@@ -235,7 +238,7 @@ def rope_store(qkv, rope, block, offset, cache, q_out, size):
         rope_run(qkv, rope, block, offset, cache, q_out, run * size, min(size, tokens - run * size))
 
 
-@njit(fastmath=FASTMATH, cache=True, boundscheck=False, error_model=ERRORS)
+@njit(nogil=True, fastmath=FASTMATH, cache=True, boundscheck=False, error_model=ERRORS)
 def softmax_row(row, seen):
     """e^(s - max) over row[:seen] in place, zeros after; returns the sum. The maximum
     is kept in one vector's worth of lanes, a shape LLVM vectorizes (a running max()
@@ -264,7 +267,7 @@ def softmax_row(row, seen):
     return total
 
 
-@njit(parallel=True, fastmath=FASTMATH, cache=True, boundscheck=False, error_model=ERRORS)
+@njit(parallel=True, nogil=True, fastmath=FASTMATH, cache=True, boundscheck=False, error_model=ERRORS)
 def causal_softmax(scores, m, inv):
     """In place on scores (stacks, rows, keys), row r being query r % m of a tile of m
     queries whose last query sees every key: query i sees the first keys - (m - 1 - i).

@@ -16,3 +16,18 @@ from poot.engine.drivers import cpu_kernels
 @pytest.mark.skipif(importlib.util.find_spec("numba") is None, reason="numba is not installed")
 def test_installed_numba_builds_every_kernel():
     assert cpu_kernels.available(), cpu_kernels.unavailable_reason()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("numba") is None, reason="numba is not installed")
+def test_every_kernel_releases_the_gil():
+    """The engine thread runs the kernels while the server's event loop streams tokens and
+    answers /health: a kernel that held the GIL would stop that loop for its whole run."""
+    from numba.core.registry import CPUDispatcher
+
+    from poot.engine.drivers import cpu_kernels_numba
+
+    kernels = {name: f for name, f in vars(cpu_kernels_numba).items()
+               if isinstance(f, CPUDispatcher) and not f.targetoptions.get("inline") == "always"}
+    assert len(kernels) >= 10
+    holding = sorted(name for name, f in kernels.items() if not f.targetoptions.get("nogil"))
+    assert not holding, f"kernels that hold the GIL: {holding}"

@@ -106,21 +106,40 @@ def test_sse_parser_handles_split_lines_crlf_and_comments():
     assert out == ['{"a": 1}', "[DONE]"]
 
 
-def test_recorder_timestamps_text_chunks_only():
-    clock = iter([0.0, 0.1, 0.25, 0.3, 0.5, 0.6]).__next__
+def _event(obj) -> bytes:
+    return ("data: " + json.dumps(obj) + "\n\n").encode()
+
+
+def test_recorder_timestamps_text_and_held_back_steps():
+    # A step whose text is held back still marks the cadence once text has started; the
+    # closing chunk with no text and the usage chunk do not.
+    clock = iter([0.0, 0.05, 0.1, 0.25, 0.3, 0.4, 0.5, 0.6]).__next__
     r = StreamRecorder(clock=clock)
-    ev = lambda obj: ("data: " + json.dumps(obj) + "\n\n").encode()  # noqa: E731
-    r.feed(ev({"choices": [{"index": 0, "text": "a", "finish_reason": None}]}))     # 0.1
-    r.feed(ev({"choices": [{"index": 0, "text": "", "finish_reason": None}]}))      # 0.25 held back
-    r.feed(ev({"choices": [{"index": 0, "text": "bc", "finish_reason": "length"}]}) + ev(
-        {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 3,
-                                  "prompt_tokens_details": {"cached_tokens": 2}}}))  # 0.3
+    r.feed(_event({"choices": [{"index": 0, "text": "", "finish_reason": None}]}))      # 0.05 before any text
+    r.feed(_event({"choices": [{"index": 0, "text": "a", "finish_reason": None}]}))     # 0.1
+    r.feed(_event({"choices": [{"index": 0, "text": "", "finish_reason": None}]}))      # 0.25 held back
+    r.feed(_event({"choices": [{"index": 0, "text": "bc", "finish_reason": None}]}))    # 0.3
+    r.feed(_event({"choices": [{"index": 0, "text": "", "finish_reason": "length"}]}) + _event(
+        {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 4,
+                                  "prompt_tokens_details": {"cached_tokens": 2}}}))  # 0.4
     r.feed(b"data: [DONE]\n\n")                                                   # 0.5
     r.finish()                                                                    # 0.6
     rec = r.record()
-    assert rec["chunks"] == [0.1, 0.3] and rec["chunk_chars"] == [1, 2] and rec["empty_chunks"] == 1
+    assert rec["chunks"] == [0.1, 0.25, 0.3] and rec["chunk_chars"] == [1, 0, 2]
+    assert rec["empty_chunks"] == 2  # the one before any text and the closing one
     assert rec["finish_reason"] == "length" and rec["done"] and rec["end"] == 0.6
-    assert rec["completion_tokens"] == 3 and rec["cached_tokens"] == 2
+    assert rec["completion_tokens"] == 4 and rec["cached_tokens"] == 2
+
+
+def test_recorder_chat_role_chunk_is_not_a_step():
+    clock = iter([0.0, 0.05, 0.1, 0.2, 0.3, 0.4]).__next__
+    r = StreamRecorder(clock=clock)
+    r.feed(_event({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}))
+    r.feed(_event({"choices": [{"index": 0, "delta": {"content": "Hi"}, "finish_reason": None}]}))  # 0.1
+    r.feed(_event({"choices": [{"index": 0, "delta": {"content": ""}, "finish_reason": None}]}))    # 0.2
+    r.feed(_event({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}))               # 0.3
+    r.finish()
+    assert r.record()["chunks"] == [0.1, 0.2]
 
 
 def test_recorder_error_event_and_chat_delta():

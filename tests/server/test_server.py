@@ -188,6 +188,28 @@ def test_stop_string_across_token_boundaries(srv):
     assert text_of(events) == (cut, "stop")
 
 
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_a_held_back_step_still_gets_its_chunk(srv, chat):
+    """Text that might start a stop string is held, but the step's chunk goes out with empty
+    content: the stream keeps the step cadence, so a client does not read held text as a
+    stall."""
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    base = {"max_tokens": 24, "temperature": 0, "ignore_eos": True,
+            **({"messages": [{"role": "user", "content": "a tale"}]} if chat else {"prompt": "A tale"})}
+    r = srv.post(path, base).json()["choices"][0]
+    full = r["message"]["content"] if chat else r["text"]
+    stop = full[10:13] + "\x00"  # its first three characters arrive, then it never completes
+    events, _ = srv.stream(path, {**base, "stop": [stop]})
+    steps = [e["choices"][0] for e in events[:-1] if e["choices"] and not e["choices"][0]["finish_reason"]]
+    if chat:
+        assert steps[0]["delta"] == {"role": "assistant", "content": ""}
+        steps = steps[1:]
+    texts = [c["delta"]["content"] if chat else c["text"] for c in steps]
+    assert len(texts) == 24  # one chunk per committed token (one character each)
+    assert texts[10:13] == ["", "", ""]  # held while they might begin the stop string
+    assert "".join(texts) == full and text_of(events, chat) == (full, "length")
+
+
 # ---- bad input ---------------------------------------------------------------------------
 
 BAD = [
