@@ -13,7 +13,13 @@ version="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
 cache="${LLAMA_SERVER_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/poot/llama-server-$version}"
 binary="$cache/build/bin/llama-server"
 
-if [ -x "$binary" ]; then
+# No AMX: a VM can advertise it in CPUID without its kernel granting the tile state, and
+# ggml's AMX products then crash llama-server at its first step (seen on a 2-core
+# VM). GCC's explicit -mno-* flags win over -march=native whatever their order.
+cpu_flags="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+stamp="$cache/build/poot-cpu-flags"
+
+if [ -x "$binary" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$cpu_flags" ]; then
   echo "$binary"
   exit 0
 fi
@@ -38,7 +44,9 @@ cmake -S "$src" -B "$cache/build" -DCMAKE_BUILD_TYPE=Release \
   -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
   -DLLAMA_BUILD_HTML=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
   -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_APP=OFF \
-  -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF >&2
+  -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF \
+  -DCMAKE_C_FLAGS="$cpu_flags" -DCMAKE_CXX_FLAGS="$cpu_flags" >&2
 cmake --build "$cache/build" --target llama-server -j "$jobs" >&2
 [ -x "$binary" ] || { echo "build_llama_server: the build finished but $binary is missing" >&2; exit 1; }
+echo "$cpu_flags" > "$stamp"
 echo "$binary"
