@@ -11,6 +11,8 @@ from poot.conformance.scenarios import Probes, unique_text
 
 clause = pytest.mark.clause
 
+PREFIX_PROMPTS = 4  # determinism/prefix/1: prompts, each sent cold then warm
+
 
 @clause("determinism/batch/1")
 def test_greedy_output_does_not_depend_on_load(client: Client, probes: Probes):
@@ -32,11 +34,13 @@ def test_greedy_output_does_not_depend_on_load(client: Client, probes: Probes):
 
 @clause("determinism/prefix/1")
 def test_prefix_hit_does_not_change_greedy_output(client: Client):
-    prompt = unique_text(200)
-    cold = client.complete(prompt, max_tokens=32, temperature=0)
-    warm = client.complete(prompt, max_tokens=32, temperature=0)
-    assert warm["choices"][0]["text"] == cold["choices"][0]["text"], \
-        f"cold {cold['choices'][0]['text']!r} != warm {warm['choices'][0]['text']!r}"
+    # Several prompts: a hit that corrupts the context can still, by chance, leave one greedy
+    # continuation as it was (a small model's next token often hangs on the last few alone).
+    for _ in range(PREFIX_PROMPTS):
+        prompt = unique_text(200)
+        cold = client.complete(prompt, max_tokens=32, temperature=0)["choices"][0]["text"]
+        warm = client.complete(prompt, max_tokens=32, temperature=0)["choices"][0]["text"]
+        assert warm == cold, f"cold {cold!r} != warm {warm!r}"
 
 
 @clause("determinism/seed/1")
