@@ -1,5 +1,6 @@
 """The wgpu driver's step times on this machine's adapter (lavapipe on a CPU machine):
-decode steps at a few row counts and one prefill chunk, on the synthetic model or SmolLM2.
+decode steps at a few row counts and one prefill chunk, on a synthetic model (Llama or
+Mamba) or SmolLM2.
 Each decode step is timed three ways: the host picks (the step reads back every row's
 logits, then the host's sampler picks greedily), the device picks greedily (the step reads
 back one token id per row), and the device samples (temperature 0.8, top-k 50, top-p 0.9).
@@ -22,7 +23,7 @@ os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="synthetic", help="synthetic, default (SmolLM2) or a path")
+    ap.add_argument("--model", default="synthetic", help="synthetic, synthetic-mamba, default (SmolLM2) or a path")
     ap.add_argument("--backend", default="vulkan", choices=["wgpu", "vulkan"])
     ap.add_argument("--rows", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 8])
     ap.add_argument("--context", type=int, default=64, help="tokens of context each decoding row holds")
@@ -47,7 +48,7 @@ def main(argv=None) -> int:
     print(f"adapter: {plan.adapter}; prepare {time.perf_counter() - t:.2f} s, {driver.compiles} compiles; "
           f"plan rows={plan.rows} token_budget={plan.token_budget} idle={plan.idle_token_budget} blocks={plan.num_blocks}")
     rng = np.random.default_rng(0)
-    per_row = plan.blocks_for(args.context + 1)
+    per_row = 0 if getattr(model.config, "recurrent", False) else plan.blocks_for(args.context + 1)  # Mamba: no KV
     tables = [list(range(r * per_row, (r + 1) * per_row)) for r in range(max(args.rows))]
     for r, table in enumerate(tables):
         driver.open_row(r, table)

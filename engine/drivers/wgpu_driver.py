@@ -13,15 +13,20 @@ The plan is fitted to the adapter's limits: one storage binding holds at most
 is bound in windows of rows (each its own buffer and bind group), and each layer's KV must
 fit one binding.
 
+Families: Llama (attention over the paged KV cache) and Mamba (per-row recurrent state).
+Each prepares its own layers as a list of dispatches (`program`); the embedding, the final
+norm, the head and the pick are shared.
+
 KV layout (the driver's own): per layer a K and a V buffer of float32, (slot, kv head,
-head_dim) with slot = block * block_size + offset.
+head_dim) with slot = block * block_size + offset. Mamba's state: per layer a conv buffer
+(row, d_conv - 1, d_inner) and an SSM buffer (row, d_inner, d_state), zeroed by open_row.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ..models import llama
+from ..models import llama, mamba
 from ..plan import DeviceInfo, Plan
 from . import wgsl
 from .base import PICK_WORDS, Driver, RowWork, StepArrays, StepOutput
@@ -117,62 +122,41 @@ class WgpuDriver(Driver):
     # ---- prepare: every buffer, pipeline and bind group a step uses ----------------------
 
     def prepare(self, plan: Plan, model) -> None:
-        if model.config.family != "llama":
-            raise ValueError(f"the {self.backend} driver serves the Llama family only, not {model.config.family}")
         c = self.config = model.config
+        if c.family not in ("llama", "mamba"):
+            raise ValueError(f"the {self.backend} driver serves the Llama and Mamba families, not {c.family}")
         self.plan = plan
         dev, wgpu = self.device_, self.wgpu
-        u = wgpu.BufferUsage
-        prepared = llama.prepare_llama(c, model.weights, plan.positions, np)
         self.tmax = tmax = plan.max_step_tokens
-        self.max_blocks = -(-plan.positions // plan.block_size)
-        heads, kvh, hd = c.num_heads, c.num_kv_heads, c.head_dim
-        d, inter, vocab = c.hidden_size, c.intermediate_size, c.vocab_size
-        q_size, kv_size = heads * hd, kvh * hd
-        for name, n in (("hidden", d), ("head_dim", hd), ("intermediate", inter)):
-            if n % 4:
-                raise ValueError(f"the {self.backend} driver needs {name} a multiple of 4, not {n}")
+        d, vocab = c.hidden_size, c.vocab_size
+        if d % 4:
+            raise ValueError(f"the {self.backend} driver needs hidden a multiple of 4, not {d}")
 
-        def storage(nbytes: int, extra=0):
-            return dev.create_buffer(size=max(16, nbytes), usage=u.STORAGE | u.COPY_DST | u.COPY_SRC | extra)
-
-        def upload(a: np.ndarray):
-            return dev.create_buffer_with_data(data=np.ascontiguousarray(a, np.float32), usage=u.STORAGE)
-
-        def within(name: str, nbytes: int) -> None:
-            if nbytes > self.max_binding:
-                raise ValueError(f"{name} ({nbytes} bytes) exceeds the adapter's storage binding limit "
-                                 f"({self.max_binding} bytes); the plan's step is too large for it")
-
-        # Activations, sized to the plan's largest step.
-        acts = {"x": d, "h": d, "qkv": q_size + 2 * kv_size, "q": q_size, "att": q_size,
-                "gu": 2 * inter, "act": inter, "hl": d, "logits": vocab}
-        self.buf = {}
-        for name, width in acts.items():
-            within(f"the {name} activations", tmax * width * 4)
-            self.buf[name] = storage(tmax * width * 4)
-        self.readback = dev.create_buffer(size=tmax * vocab * 4, usage=u.MAP_READ | u.COPY_DST)
-        self.picks = storage(tmax * PICK_WORDS * 4)  # each logit index's pick words (base.pick_words)
-        self.ids = storage(tmax * 4)  # the token picked at each logit index
-        self.ids_readback = dev.create_buffer(size=max(16, tmax * 4), usage=u.MAP_READ | u.COPY_DST)
-        self.index = storage(wgsl.INDEX_SECTIONS * tmax * 4)
+        # What every family's step uses: the step's index arrays and counts, the picks, the
+        # read-back buffers, and the kernels of the embedding, the norms, the products, the pick.
+        self.index = self._storage(wgsl.INDEX_SECTIONS * tmax * 4)
         self.index_host = np.zeros(wgsl.INDEX_SECTIONS * tmax, np.int32)
-        self.step_uniform = dev.create_buffer(size=16, usage=u.UNIFORM | u.COPY_DST)
-        self.device_tables = storage(plan.rows * self.max_blocks * 4)
-        rope = np.ascontiguousarray(prepared.rope).view(np.float32)  # (positions, hd / 2, [cos, sin])
-        self.rope = upload(rope)
-        slots = plan.num_blocks * plan.block_size
-        within("one layer's K cache", slots * kv_size * 4)
-        self.kv = [(storage(slots * kv_size * 4), storage(slots * kv_size * 4)) for _ in range(c.num_layers)]
-
-        # Pipelines: one per kernel (two tiles of the product), each counted.
-        sizes = dict(TMAX=tmax, HEADS=heads, KVH=kvh, HALF=hd // 2, GROUP=heads // kvh, HD4=hd // 4,
-                     BS=plan.block_size, MAXB=self.max_blocks, VOCAB=vocab, PICK_WORDS=PICK_WORDS,
+        self.step_uniform = dev.create_buffer(size=16, usage=wgpu.BufferUsage.UNIFORM | wgpu.BufferUsage.COPY_DST)
+        self.readback = dev.create_buffer(size=tmax * vocab * 4, usage=wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST)
+        self.picks = self._storage(tmax * PICK_WORDS * 4)  # each logit index's pick words (base.pick_words)
+        self.ids = self._storage(tmax * 4)  # the token picked at each logit index
+        self.ids_readback = dev.create_buffer(size=max(16, tmax * 4), usage=wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST)
+        self.zeros = self._upload(np.zeros(4, np.float32))
+        kinds = {"matmul": "uurrw", "embed": "uurrw", "rms": "uurrrw", "pick": "uuwrw"}
+        sources = {"embed": wgsl.EMBED, "rms": wgsl.RMS, "pick": wgsl.PICK}
+        sizes = dict(TMAX=tmax, VOCAB=vocab, PICK_WORDS=PICK_WORDS,
                      PICK_WG=GPU_PICK_WG if is_hardware(self.adapter) else CPU_ADAPTER_PICK_WG)
-        kinds = {"matmul": "uurrw", "embed": "uurrw", "rms": "uurrrw", "rope": "uurrrwww", "attention": "uurrrrrw",
-                 "silu": "uurw", "pick": "uuwrw"}
-        sources = {"embed": wgsl.EMBED, "rms": wgsl.RMS, "rope": wgsl.ROPE_STORE, "attention": wgsl.ATTENTION,
-                   "silu": wgsl.SILU_MUL, "pick": wgsl.PICK}
+        if c.family == "llama":
+            prepared = llama.prepare_llama(c, model.weights, plan.positions, np)
+            widths = self._llama_kernels(kinds, sources, sizes)
+        else:
+            prepared = mamba.prepare_mamba(c, model.weights, 0, np)
+            widths = self._mamba_kernels(kinds, sources, sizes)
+        # Activations, sized to the plan's largest step.
+        self.buf = {}
+        for name, width in {"x": d, "h": d, "hl": d, "logits": vocab, **widths}.items():
+            self._within(f"the {name} activations", tmax * width * 4)
+            self.buf[name] = self._storage(tmax * width * 4)
         self.layouts = {k: self._bind_layout(v) for k, v in kinds.items()}
         self.pipelines = {}
         for tile in wgsl.MATMUL_TILES:
@@ -180,30 +164,126 @@ class WgpuDriver(Driver):
         for name, src in sources.items():
             self.pipelines[name] = self._pipeline(wgsl.source(src, **sizes), self.layouts[name])
 
-        # Bind groups: every dispatch of a step, recorded once here as (kernel, group, grid).
-        self.zeros = upload(np.zeros(4, np.float32))
+        # Bind groups: every dispatch of a step, recorded once here in `program` as
+        # (kernel, bind group, invocations per token, workgroup size), or ("products",
+        # [(bind group, rows)], None, None) for the windows of one weight's product.
         b = self.buf
-        self.embed_calls = [self._group("embed", (d // 4, r0, n), [w, self.index, b["x"]])
-                            for r0, n, w in self._weight(prepared.embed)]
-        self.layer_calls = []
         eps = int(np.float32(c.rms_eps).view(np.uint32))
-        for i, layer in enumerate(prepared.layers):
-            kc, vc = self.kv[i]
-            self.layer_calls.append({
-                "rms1": self._group("rms", (d // 4, 0, eps), [b["x"], self.index, self.zeros, b["h"]]),
-                "qkv": self._products(layer["wqkv"], b["h"], b["qkv"], q_size + 2 * kv_size),
-                "rope": self._group("rope", (), [b["qkv"], self.index, self.rope, b["q"], kc, vc]),
-                "attention": self._group("attention", (), [b["q"], kc, vc, self.index, self.device_tables, b["att"]]),
-                "wo": self._products(layer["wo"], b["att"], b["x"], d, accumulate=True),
-                "rms2": self._group("rms", (d // 4, 0, eps), [b["x"], self.index, self.zeros, b["h"]]),
-                "gate_up": self._products(layer["w_gate_up"], b["h"], b["gu"], 2 * inter),
-                "silu": self._group("silu", (inter,), [b["gu"], b["act"]]),
-                "down": self._products(layer["w_down"], b["act"], b["x"], d, accumulate=True),
-            })
-        self.norm = upload(prepared.norm)
+        self.embed_calls = [("embed", self._group("embed", (d // 4, r0, n), [w, self.index, b["x"]]), d // 4, 64)
+                            for r0, n, w in self._weight(prepared.embed)]
+        self.program = list(self.embed_calls)
+        if c.family == "llama":
+            self.program += self._llama_layers(prepared, eps)
+        else:
+            self.program += self._mamba_layers(prepared, eps)
+        self.norm = self._upload(prepared.norm)
         self.final_rms = self._group("rms", (d // 4, 1, eps), [b["x"], self.index, self.norm, b["hl"]])
         self.head_calls = self._products(prepared.lm_head, b["hl"], b["logits"], vocab, logits=True)
         self.pick_call = self._group("pick", (vocab,), [b["logits"], self.picks, self.ids])
+
+    def _storage(self, nbytes: int):
+        u = self.wgpu.BufferUsage
+        return self.device_.create_buffer(size=max(16, nbytes), usage=u.STORAGE | u.COPY_DST | u.COPY_SRC)
+
+    def _upload(self, a: np.ndarray):
+        return self.device_.create_buffer_with_data(data=np.ascontiguousarray(a, np.float32),
+                                                    usage=self.wgpu.BufferUsage.STORAGE)
+
+    def _within(self, name: str, nbytes: int) -> None:
+        if nbytes > self.max_binding:
+            raise ValueError(f"{name} ({nbytes} bytes) exceeds the adapter's storage binding limit "
+                             f"({self.max_binding} bytes); the plan's step is too large for it")
+
+    # ---- the Llama family: attention over the paged KV cache ----------------------------
+
+    def _llama_kernels(self, kinds: dict, sources: dict, sizes: dict) -> dict[str, int]:
+        """Adds the family's kernels; returns its activations' widths."""
+        c, plan = self.config, self.plan
+        heads, kvh, hd, inter = c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
+        for name, n in (("head_dim", hd), ("intermediate", inter)):
+            if n % 4:
+                raise ValueError(f"the {self.backend} driver needs {name} a multiple of 4, not {n}")
+        self.max_blocks = -(-plan.positions // plan.block_size)
+        kinds |= {"rope": "uurrrwww", "attention": "uurrrrrw", "silu": "uurw"}
+        sources |= {"rope": wgsl.ROPE_STORE, "attention": wgsl.ATTENTION, "silu": wgsl.SILU_MUL}
+        sizes |= dict(HEADS=heads, KVH=kvh, HALF=hd // 2, GROUP=heads // kvh, HD4=hd // 4,
+                      BS=plan.block_size, MAXB=self.max_blocks)
+        q_size, kv_size = heads * hd, kvh * hd
+        return {"qkv": q_size + 2 * kv_size, "q": q_size, "att": q_size, "gu": 2 * inter, "act": inter}
+
+    def _llama_layers(self, prepared, eps: int) -> list:
+        c, plan, b = self.config, self.plan, self.buf
+        d, heads, kvh, hd, inter = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
+        q_size, kv_size = heads * hd, kvh * hd
+        self.device_tables = self._storage(plan.rows * self.max_blocks * 4)
+        rope = np.ascontiguousarray(prepared.rope).view(np.float32)  # (positions, hd / 2, [cos, sin])
+        self.rope = self._upload(rope)
+        slots = plan.num_blocks * plan.block_size
+        self._within("one layer's K cache", slots * kv_size * 4)
+        self.kv = [(self._storage(slots * kv_size * 4), self._storage(slots * kv_size * 4)) for _ in range(c.num_layers)]
+        program = []
+        for i, layer in enumerate(prepared.layers):
+            kc, vc = self.kv[i]
+            program += [
+                ("rms", self._group("rms", (d // 4, 0, eps), [b["x"], self.index, self.zeros, b["h"]]), 1, 64),
+                ("products", self._products(layer["wqkv"], b["h"], b["qkv"], q_size + 2 * kv_size), None, None),
+                ("rope", self._group("rope", (), [b["qkv"], self.index, self.rope, b["q"], kc, vc]),
+                 (heads + kvh) * (hd // 2), 64),
+                ("attention", self._group("attention", (), [b["q"], kc, vc, self.index, self.device_tables, b["att"]]),
+                 heads, 16),
+                ("products", self._products(layer["wo"], b["att"], b["x"], d, accumulate=True), None, None),
+                ("rms", self._group("rms", (d // 4, 0, eps), [b["x"], self.index, self.zeros, b["h"]]), 1, 64),
+                ("products", self._products(layer["w_gate_up"], b["h"], b["gu"], 2 * inter), None, None),
+                ("silu", self._group("silu", (inter,), [b["gu"], b["act"]]), inter, 64),
+                ("products", self._products(layer["w_down"], b["act"], b["x"], d, accumulate=True), None, None),
+            ]
+        return program
+
+    # ---- the Mamba family: per-row recurrent state --------------------------------------
+
+    def _mamba_kernels(self, kinds: dict, sources: dict, sizes: dict) -> dict[str, int]:
+        c = self.config
+        if c.d_inner % 4:
+            raise ValueError(f"the {self.backend} driver needs d_inner a multiple of 4, not {c.d_inner}")
+        self.dbc_width = -(-(c.dt_rank + 2 * c.d_state) // 4) * 4  # dt's input, B, C; padded to whole vec4s
+        kinds |= {"conv": "uurrrrrw", "conv_state": "uurrw", "scan": "uurrrrrrww"}
+        sources |= {"conv": wgsl.MAMBA_CONV, "conv_state": wgsl.MAMBA_CONV_STATE, "scan": wgsl.MAMBA_SCAN}
+        sizes |= dict(DI=c.d_inner, KC=c.d_conv, DS=c.d_state, W=self.dbc_width, R=c.dt_rank)
+        di = c.d_inner
+        return {"xz": 2 * di, "xs": di, "dbc": self.dbc_width, "dtr": di, "y": di}
+
+    def _mamba_layers(self, prepared, eps: int) -> list:
+        c, plan, b = self.config, self.plan, self.buf
+        d, di, ds, r, kc = c.hidden_size, c.d_inner, c.d_state, c.dt_rank, c.d_conv
+        rows = plan.state_slots or plan.rows
+        self.conv_row_bytes, self.ssm_row_bytes = (kc - 1) * di * 4, di * ds * 4
+        self._within("one layer's SSM state", rows * self.ssm_row_bytes)
+        self.state = [(self._storage(rows * self.conv_row_bytes), self._storage(rows * self.ssm_row_bytes))
+                      for _ in range(c.num_layers)]
+        self.zero_state = np.zeros(max(self.conv_row_bytes, self.ssm_row_bytes) // 4, np.float32)
+        w = self.dbc_width
+        program = []
+        for i, layer in enumerate(prepared.layers):
+            conv, ssm = self.state[i]
+            x_proj = np.zeros((w, di), np.float32)  # padded with zero rows to dbc's width
+            x_proj[: r + 2 * ds] = layer["x_proj"]
+            dt_proj = np.zeros((di, w), np.float32)  # reads dt's input from dbc's first R columns
+            dt_proj[:, :r] = layer["dt_proj"]
+            in_proj = layer["in_proj"] * layer["norm"][None, :]  # the norm's weight folded in
+            params = self._upload(np.concatenate([layer["dt_bias"], layer["D"], layer["A"].ravel()]))
+            conv_w, conv_b = self._upload(layer["conv_w"]), self._upload(layer["conv_b"])
+            program += [
+                ("rms", self._group("rms", (d // 4, 0, eps), [b["x"], self.index, self.zeros, b["h"]]), 1, 64),
+                ("products", self._products(in_proj, b["h"], b["xz"], 2 * di), None, None),
+                ("conv", self._group("conv", (), [b["xz"], self.index, conv_w, conv_b, conv, b["xs"]]), di, 64),
+                ("conv_state", self._group("conv_state", (), [b["xz"], self.index, conv]), di, 64),
+                ("products", self._products(x_proj, b["xs"], b["dbc"], w), None, None),
+                ("products", self._products(dt_proj, b["dbc"], b["dtr"], di), None, None),
+                ("scan", self._group("scan", (), [b["xs"], b["dbc"], b["dtr"], self.index, params, b["xz"], ssm,
+                                                  b["y"]]), di, 64),
+                ("products", self._products(layer["out_proj"], b["y"], b["x"], d, accumulate=True), None, None),
+            ]
+        return program
 
     def _bind_layout(self, kinds: str):
         wgpu = self.wgpu
@@ -254,9 +334,15 @@ class WgpuDriver(Driver):
 
     def open_row(self, row: int, block_table: list[int]) -> None:
         super().open_row(row, block_table)
+        queue = self.device_.queue
+        if self.config.family == "mamba":  # a new sequence starts from zero state
+            for conv, ssm in self.state:
+                queue.write_buffer(conv, row * self.conv_row_bytes, self.zero_state[: self.conv_row_bytes // 4])
+                queue.write_buffer(ssm, row * self.ssm_row_bytes, self.zero_state[: self.ssm_row_bytes // 4])
+            return
         table = np.zeros(self.max_blocks, np.int32)
         table[: len(block_table)] = block_table[: self.max_blocks]
-        self.device_.queue.write_buffer(self.device_tables, row * self.max_blocks * 4, table)
+        queue.write_buffer(self.device_tables, row * self.max_blocks * 4, table)
 
     # ---- the step -----------------------------------------------------------------------
 
@@ -277,7 +363,6 @@ class WgpuDriver(Driver):
             queue.write_buffer(self.picks, 0, np.ascontiguousarray(step.picks))
 
         c = self.config
-        d, heads, kvh, hd = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
         encoder = self.device_.create_command_encoder()
         cp = encoder.begin_compute_pass()
 
@@ -291,18 +376,11 @@ class WgpuDriver(Driver):
             for group, rows in calls:
                 run(("matmul", tile), group, -(-rows // 256), -(-tokens // tile))
 
-        for group in self.embed_calls:
-            run("embed", group, -(-t * d // 4 // 64))
-        for calls in self.layer_calls:
-            run("rms", calls["rms1"], -(-t // 64))
-            products(calls["qkv"], t)
-            run("rope", calls["rope"], -(-t * (heads + kvh) * (hd // 2) // 64))
-            run("attention", calls["attention"], -(-t * heads // 16))
-            products(calls["wo"], t)
-            run("rms", calls["rms2"], -(-t // 64))
-            products(calls["gate_up"], t)
-            run("silu", calls["silu"], -(-t * c.intermediate_size // 64))
-            products(calls["down"], t)
+        for kernel, group, per_token, wg in self.program:
+            if kernel == "products":
+                products(group, t)
+            else:
+                run(kernel, group, -(-t * per_token // wg))
         run("rms", self.final_rms, -(-n_logits // 64))
         products(self.head_calls, n_logits)
         if picking:

@@ -458,3 +458,123 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
   }
 }
 """
+
+# ---- the Mamba family (engine/models/mamba.py) ----------------------------------------------
+# A step's tokens come in row segments (each row's tokens contiguous, each row once), so a
+# token's predecessors in its own sequence are the tokens just before it with the same row
+# slot; older inputs come from the row's state slot. Each layer's conv state is (rows,
+# d_conv - 1, d_inner), its SSM state (rows, d_inner, d_state).
+MAMBA_SIZES = """
+const DI: u32 = ${DI}u;
+const KC: u32 = ${KC}u;
+const DS: u32 = ${DS}u;
+const W: u32 = ${W}u;
+const R: u32 = ${R}u;
+// How many tokens before t in its row's segment, counted up to KC.
+fn back(t: u32) -> u32 {
+  let r = row_slot(t);
+  var n = 0u;
+  while (n < KC && t > n && row_slot(t - n - 1u) == r) { n++; }
+  return n;
+}
+"""
+
+# The causal depthwise convolution, then SiLU: one invocation per (token, channel). Tap j
+# reads window[li + j] of [the row's last KC - 1 inputs, the segment's inputs], li being
+# the token's index in its segment. xz holds (T, 2 DI): the inputs x, then the gate z.
+MAMBA_CONV = HEADER + """
+@group(0) @binding(2) var<storage, read> xz: array<f32>;
+@group(0) @binding(3) var<storage, read> ix: array<i32>;
+@group(0) @binding(4) var<storage, read> cw: array<f32>;
+@group(0) @binding(5) var<storage, read> cb: array<f32>;
+@group(0) @binding(6) var<storage, read> cs: array<f32>;
+@group(0) @binding(7) var<storage, read_write> xs: array<f32>;
+""" + INDEX + MAMBA_SIZES + """
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+  let i = gid.x;
+  if (i >= st.tokens * DI) { return; }
+  let t = i / DI;
+  let c = i % DI;
+  let li = back(t);
+  var acc = cb[c];
+  for (var j = 0u; j < KC; j++) {
+    let at = li + j;  // window index; the segment's inputs start at KC - 1
+    var v = 0.0;
+    if (at >= KC - 1u) { v = xz[(t + at + 1u - KC - li) * 2u * DI + c]; }
+    else { v = cs[(row_slot(t) * (KC - 1u) + at) * DI + c]; }
+    acc += v * cw[c * KC + j];
+  }
+  xs[i] = acc / (1.0 + exp(-acc));
+}
+"""
+
+# The conv state after the step: each row's last KC - 1 inputs, written by the invocation of
+# its segment's last token, per channel, in increasing order (slot s reads window index
+# n + s > s, which no earlier write touched).
+MAMBA_CONV_STATE = HEADER + """
+@group(0) @binding(2) var<storage, read> xz: array<f32>;
+@group(0) @binding(3) var<storage, read> ix: array<i32>;
+@group(0) @binding(4) var<storage, read_write> cs: array<f32>;
+""" + INDEX + MAMBA_SIZES + """
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+  let i = gid.x;
+  if (i >= st.tokens * DI) { return; }
+  let t = i / DI;
+  let c = i % DI;
+  let r = row_slot(t);
+  if (t + 1u < st.tokens && row_slot(t + 1u) == r) { return; }
+  let n = back(t) + 1u;  // the segment's length, up to KC
+  for (var s = 0u; s < KC - 1u; s++) {
+    let at = n + s;
+    var v = 0.0;
+    if (at >= KC - 1u) { v = xz[(t + s + 2u - KC) * 2u * DI + c]; }
+    else { v = cs[(r * (KC - 1u) + at) * DI + c]; }
+    cs[(r * (KC - 1u) + s) * DI + c] = v;
+  }
+}
+"""
+
+# The selective scan, the skip term and the gate: one invocation per (segment, channel) runs
+# the segment's tokens in order from the row's state and stores it back. dbc holds (T, W):
+# dt's low-rank input (R), B (DS), C (DS), zero padding; dtr holds dt_proj's output (T, DI);
+# prm holds dt_bias (DI), D (DI) and A (DI, DS). y = (h . C + D x) * silu(z).
+MAMBA_SCAN = HEADER + """
+@group(0) @binding(2) var<storage, read> xs: array<f32>;
+@group(0) @binding(3) var<storage, read> dbc: array<f32>;
+@group(0) @binding(4) var<storage, read> dtr: array<f32>;
+@group(0) @binding(5) var<storage, read> ix: array<i32>;
+@group(0) @binding(6) var<storage, read> prm: array<f32>;
+@group(0) @binding(7) var<storage, read> xz: array<f32>;
+@group(0) @binding(8) var<storage, read_write> ssm: array<f32>;
+@group(0) @binding(9) var<storage, read_write> y: array<f32>;
+""" + INDEX + MAMBA_SIZES + """
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+  let i = gid.x;
+  if (i >= st.tokens * DI) { return; }
+  let t = i / DI;
+  let c = i % DI;
+  let r = row_slot(t);
+  if (t > 0u && row_slot(t - 1u) == r) { return; }
+  var h: array<f32, DS>;
+  var a: array<f32, DS>;
+  for (var s = 0u; s < DS; s++) { h[s] = ssm[(r * DI + c) * DS + s]; a[s] = prm[2u * DI + c * DS + s]; }
+  let bias = prm[c];
+  let skip = prm[DI + c];
+  for (var u = t; u < st.tokens && row_slot(u) == r; u++) {
+    let raw = dtr[u * DI + c] + bias;
+    let dt = max(raw, 0.0) + log(1.0 + exp(-abs(raw)));  // softplus, without overflow
+    let xv = xs[u * DI + c];
+    var out = xv * skip;
+    for (var s = 0u; s < DS; s++) {
+      h[s] = exp(dt * a[s]) * h[s] + dt * xv * dbc[u * W + R + s];
+      out += h[s] * dbc[u * W + R + DS + s];
+    }
+    let z = xz[u * 2u * DI + DI + c];
+    y[u * DI + c] = out * z / (1.0 + exp(-z));
+  }
+  for (var s = 0u; s < DS; s++) { ssm[(r * DI + c) * DS + s] = h[s]; }
+}
+"""
