@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.metadata
+import mmap
 import threading
 
 import numpy as np
@@ -93,6 +94,21 @@ def _smoke() -> None:
         raise RuntimeError("packed products gave wrong results on a known input")
 
 
+def _pack_buffer(nbytes: int) -> np.ndarray:
+    """Room for one packed weight, in pages the kernel never merges into huge pages.
+
+    MKL asks for 2-3.4x the weight's size (SmolLM2's shapes) and writes about the weight's
+    size. In memory eligible for transparent huge pages (NumPy advises them for its arrays of
+    4 MiB and more), khugepaged fills in each partly written 2 MiB region over the first
+    minutes of serving: SmolLM2's server grew about 210 MB in its first 11 minutes under
+    load, then stopped. With small pages only what MKL wrote stays resident; decode and
+    prefill steps timed the same either way."""
+    mm = mmap.mmap(-1, max(4, -(-nbytes // 4) * 4))
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):  # Linux
+        mm.madvise(mmap.MADV_NOHUGEPAGE)
+    return np.frombuffer(mm, np.float32)  # keeps the mapping alive as its base
+
+
 class PackedWeight:
     """A weight matrix w (o, i) in MKL's packed layout, for products w @ x with any number
     of columns, or with `right` for (w @ x).T = x.T @ w.T, whose result comes out token-major
@@ -106,12 +122,12 @@ class PackedWeight:
         o, i = w.shape
         if right:  # w.T as the right-hand matrix (i, o): packed from w read transposed
             size = _lib.cblas_sgemm_pack_get_size(_B_MATRIX, 1, o, i)
-            self.buffer = np.empty(-(-size // 4), np.float32)
+            self.buffer = _pack_buffer(size)
             _lib.cblas_sgemm_pack(_ROW_MAJOR, _B_MATRIX, _TRANS, 1, o, i, 1.0, w.ctypes.data, i,
                                   self.buffer.ctypes.data)
         else:
             size = _lib.cblas_sgemm_pack_get_size(_A_MATRIX, o, 1, i)
-            self.buffer = np.empty(-(-size // 4), np.float32)
+            self.buffer = _pack_buffer(size)
             _lib.cblas_sgemm_pack(_ROW_MAJOR, _A_MATRIX, _NO_TRANS, o, 1, i, 1.0, w.ctypes.data, i,
                                   self.buffer.ctypes.data)
         self.shape = (o, i)

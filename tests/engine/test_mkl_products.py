@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
+import os
 
 import numpy as np
 import pytest
@@ -174,3 +175,42 @@ def test_the_token_budget_is_a_whole_number_of_product_widths():
     assert rounded % 16 == 0 and budget - 16 < rounded <= budget
     if mkl_products.available() and cpu_kernels.available():
         assert NumpyDriver(memory_bytes=1 << 30).device().token_multiple == mkl_products.PAD_TOKENS
+
+
+def _mapping_flags(address: int) -> list[str]:
+    """The VmFlags of the /proc/self/smaps mapping that holds `address`."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and line.startswith("VmFlags:"):
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def _resident_bytes(a: np.ndarray) -> int:
+    """Bytes of the pages under `a` that are in memory (/proc/self/pagemap's present bit)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    first, last = a.ctypes.data // page, (a.ctypes.data + a.nbytes - 1) // page
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(first * 8)
+        entries = np.frombuffer(f.read((last - first + 1) * 8), np.uint64)
+    return int((entries >> np.uint64(63)).sum()) * page
+
+
+@needs_mkl
+@pytest.mark.skipif(not os.path.exists("/proc/self/pagemap"), reason="needs Linux's /proc/self/smaps and pagemap")
+@pytest.mark.parametrize("right", [False, True], ids=["left", "head"])
+def test_a_packed_weight_keeps_resident_only_what_mkl_wrote(right):
+    """MKL asks for 2-3.4x a weight's size and writes about its size. Where the rest may be
+    merged into transparent huge pages, khugepaged fills it in over the first minutes of
+    serving and the process grows by that much; the buffer is advised against huge pages."""
+    w = np.random.default_rng(0).standard_normal((576, 1536), dtype=np.float32)
+    packed = mkl_products.PackedWeight(w, right=right)
+    assert packed.buffer.nbytes > 1.5 * w.nbytes  # the slack this is about
+    assert "nh" in _mapping_flags(packed.buffer.ctypes.data)  # MADV_NOHUGEPAGE
+    # Nor is the slack written through (as the KV pool is): it would stay resident for nothing.
+    assert _resident_bytes(packed.buffer) < 0.8 * packed.buffer.nbytes
