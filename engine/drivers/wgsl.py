@@ -479,44 +479,13 @@ fn back(t: u32) -> u32 {
 }
 """
 
-# The causal depthwise convolution, then SiLU: one invocation per (token, channel). Tap j
-# reads window[li + j] of [the row's last KC - 1 inputs, the segment's inputs], li being
-# the token's index in its segment. xz holds (T, 2 DI): the inputs x, then the gate z.
-MAMBA_CONV = HEADER + """
-@group(0) @binding(2) var<storage, read> xz: array<f32>;
-@group(0) @binding(3) var<storage, read> ix: array<i32>;
-@group(0) @binding(4) var<storage, read> cw: array<f32>;
-@group(0) @binding(5) var<storage, read> cb: array<f32>;
-@group(0) @binding(6) var<storage, read> cs: array<f32>;
-@group(0) @binding(7) var<storage, read_write> xs: array<f32>;
-""" + INDEX + MAMBA_SIZES + """
-@compute @workgroup_size(64)
-fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
-  let i = gid.x;
-  if (i >= st.tokens * DI) { return; }
-  let t = i / DI;
-  let c = i % DI;
-  let li = back(t);
-  var acc = cb[c];
-  for (var j = 0u; j < KC; j++) {
-    let at = li + j;  // window index; the segment's inputs start at KC - 1
-    var v = 0.0;
-    if (at >= KC - 1u) { v = xz[(t + at + 1u - KC - li) * 2u * DI + c]; }
-    else { v = cs[(row_slot(t) * (KC - 1u) + at) * DI + c]; }
-    acc += v * cw[c * KC + j];
-  }
-  xs[i] = acc / (1.0 + exp(-acc));
-}
-"""
 
-# The conv state after the step: each row's last KC - 1 inputs, written by the invocation of
-# its segment's last token, per channel, in increasing order (slot s reads window index
-# n + s > s, which no earlier write touched).
-MAMBA_CONV_STATE = HEADER + """
-@group(0) @binding(2) var<storage, read> xz: array<f32>;
-@group(0) @binding(3) var<storage, read> ix: array<i32>;
-@group(0) @binding(4) var<storage, read_write> cs: array<f32>;
-""" + INDEX + MAMBA_SIZES + """
+def _per_channel(buffers: list[tuple[str, str, bool]], body: str) -> str:
+    """A Mamba kernel run once per (token t, channel c) of the step, over storage `buffers`
+    (name, element type, written) bound from 2 on, in the order given."""
+    decl = "\n".join(f"@group(0) @binding({i}) var<storage, {'read_write' if w else 'read'}> {name}: array<{elem}>;"
+                     for i, (name, elem, w) in enumerate(buffers, start=2))
+    return HEADER + decl + INDEX + MAMBA_SIZES + """
 @compute @workgroup_size(64)
 fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
   let i = gid.x;
@@ -524,6 +493,30 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
   let t = i / DI;
   let c = i % DI;
   let r = row_slot(t);
+""" + body + "}\n"
+
+
+# The causal depthwise convolution, then SiLU. Tap j reads window[li + j] of [the row's
+# last KC - 1 inputs, the segment's inputs], li being the token's index in its segment.
+# xz holds (T, 2 DI): the inputs x, then the gate z.
+MAMBA_CONV = _per_channel([("xz", "f32", False), ("ix", "i32", False), ("cw", "f32", False), ("cb", "f32", False),
+                           ("cs", "f32", False), ("xs", "f32", True)], """
+  let li = back(t);
+  var acc = cb[c];
+  for (var j = 0u; j < KC; j++) {
+    let at = li + j;  // window index; the segment's inputs start at KC - 1
+    var v = 0.0;
+    if (at >= KC - 1u) { v = xz[(t + at + 1u - KC - li) * 2u * DI + c]; }
+    else { v = cs[(r * (KC - 1u) + at) * DI + c]; }
+    acc += v * cw[c * KC + j];
+  }
+  xs[i] = acc / (1.0 + exp(-acc));
+""")
+
+# The conv state after the step: each row's last KC - 1 inputs, written by the invocation of
+# its segment's last token, per channel, in increasing order (slot s reads window index
+# n + s > s, which no earlier write touched).
+MAMBA_CONV_STATE = _per_channel([("xz", "f32", False), ("ix", "i32", False), ("cs", "f32", True)], """
   if (t + 1u < st.tokens && row_slot(t + 1u) == r) { return; }
   let n = back(t) + 1u;  // the segment's length, up to KC
   for (var s = 0u; s < KC - 1u; s++) {
@@ -533,30 +526,14 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
     else { v = cs[(r * (KC - 1u) + at) * DI + c]; }
     cs[(r * (KC - 1u) + s) * DI + c] = v;
   }
-}
-"""
+""")
 
-# The selective scan, the skip term and the gate: one invocation per (segment, channel) runs
-# the segment's tokens in order from the row's state and stores it back. dbc holds (T, W):
-# dt's low-rank input (R), B (DS), C (DS), zero padding; dtr holds dt_proj's output (T, DI);
-# prm holds dt_bias (DI), D (DI) and A (DI, DS). y = (h . C + D x) * silu(z).
-MAMBA_SCAN = HEADER + """
-@group(0) @binding(2) var<storage, read> xs: array<f32>;
-@group(0) @binding(3) var<storage, read> dbc: array<f32>;
-@group(0) @binding(4) var<storage, read> dtr: array<f32>;
-@group(0) @binding(5) var<storage, read> ix: array<i32>;
-@group(0) @binding(6) var<storage, read> prm: array<f32>;
-@group(0) @binding(7) var<storage, read> xz: array<f32>;
-@group(0) @binding(8) var<storage, read_write> ssm: array<f32>;
-@group(0) @binding(9) var<storage, read_write> y: array<f32>;
-""" + INDEX + MAMBA_SIZES + """
-@compute @workgroup_size(64)
-fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
-  let i = gid.x;
-  if (i >= st.tokens * DI) { return; }
-  let t = i / DI;
-  let c = i % DI;
-  let r = row_slot(t);
+# The selective scan, the skip term and the gate: the invocation of each segment's first
+# token runs the segment's tokens in order from the row's state and stores it back. dbc
+# holds (T, W): dt's low-rank input (R), B (DS), C (DS), zero padding; dtr holds dt_proj's
+# output (T, DI); prm holds dt_bias (DI), D (DI) and A (DI, DS). y = (h . C + D x) * silu(z).
+MAMBA_SCAN = _per_channel([("xs", "f32", False), ("dbc", "f32", False), ("dtr", "f32", False), ("ix", "i32", False),
+                           ("prm", "f32", False), ("xz", "f32", False), ("ssm", "f32", True), ("y", "f32", True)], """
   if (t > 0u && row_slot(t - 1u) == r) { return; }
   var h: array<f32, DS>;
   var a: array<f32, DS>;
@@ -576,5 +553,4 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
     y[u * DI + c] = out * z / (1.0 + exp(-z));
   }
   for (var s = 0u; s < DS; s++) { ssm[(r * DI + c) * DS + s] = h[s]; }
-}
-"""
+""")
