@@ -80,7 +80,7 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("--chars-per-token", type=float, help="1.0 for byte tokenizers, ~4 for BPE")
     w.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos")
     w.add_argument("--no-usage", action="store_true", help="do not send stream_options.include_usage")
-    w.add_argument("--request-timeout", type=float, help="seconds per request (default 60)")
+    w.add_argument("--request-timeout", type=float, help="seconds per request (default 60; the soak 300)")
     c = p.add_argument_group("convoy")
     c.add_argument("--batch", type=int, default=8, help="group size B (and in-flight cap for continuous)")
     c.add_argument("--batch-timeout-ms", type=float, default=50.0, help="dynamic: oldest waits at most T")
