@@ -246,8 +246,8 @@ class WgpuDriver(Driver):
         if c.d_inner % 4:
             raise ValueError(f"the {self.backend} driver needs d_inner a multiple of 4, not {c.d_inner}")
         self.dbc_width = -(-(c.dt_rank + 2 * c.d_state) // 4) * 4  # dt's input, B, C; padded to whole vec4s
-        kinds |= {"conv": "uurrrrrw", "conv_state": "uurrw", "scan": "uurrrrrrww"}
-        sources |= {"conv": wgsl.MAMBA_CONV, "conv_state": wgsl.MAMBA_CONV_STATE, "scan": wgsl.MAMBA_SCAN}
+        kinds |= {name: layout for name, (_, layout) in wgsl.MAMBA_KERNELS.items()}
+        sources |= {name: source for name, (source, _) in wgsl.MAMBA_KERNELS.items()}
         sizes |= dict(DI=c.d_inner, KC=c.d_conv, DS=c.d_state, W=self.dbc_width, R=c.dt_rank)
         di = c.d_inner
         return {"xz": 2 * di, "xs": di, "dbc": self.dbc_width, "dtr": di, "y": di}

@@ -499,8 +499,9 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
 # The causal depthwise convolution, then SiLU. Tap j reads window[li + j] of [the row's
 # last KC - 1 inputs, the segment's inputs], li being the token's index in its segment.
 # xz holds (T, 2 DI): the inputs x, then the gate z.
-MAMBA_CONV = _per_channel([("xz", "f32", False), ("ix", "i32", False), ("cw", "f32", False), ("cb", "f32", False),
-                           ("cs", "f32", False), ("xs", "f32", True)], """
+_CONV_BUFFERS = [("xz", "f32", False), ("ix", "i32", False), ("cw", "f32", False), ("cb", "f32", False),
+                 ("cs", "f32", False), ("xs", "f32", True)]
+MAMBA_CONV = _per_channel(_CONV_BUFFERS, """
   let li = back(t);
   var acc = cb[c];
   for (var j = 0u; j < KC; j++) {
@@ -516,7 +517,8 @@ MAMBA_CONV = _per_channel([("xz", "f32", False), ("ix", "i32", False), ("cw", "f
 # The conv state after the step: each row's last KC - 1 inputs, written by the invocation of
 # its segment's last token, per channel, in increasing order (slot s reads window index
 # n + s > s, which no earlier write touched).
-MAMBA_CONV_STATE = _per_channel([("xz", "f32", False), ("ix", "i32", False), ("cs", "f32", True)], """
+_CONV_STATE_BUFFERS = [("xz", "f32", False), ("ix", "i32", False), ("cs", "f32", True)]
+MAMBA_CONV_STATE = _per_channel(_CONV_STATE_BUFFERS, """
   if (t + 1u < st.tokens && row_slot(t + 1u) == r) { return; }
   let n = back(t) + 1u;  // the segment's length, up to KC
   for (var s = 0u; s < KC - 1u; s++) {
@@ -532,8 +534,9 @@ MAMBA_CONV_STATE = _per_channel([("xz", "f32", False), ("ix", "i32", False), ("c
 # token runs the segment's tokens in order from the row's state and stores it back. dbc
 # holds (T, W): dt's low-rank input (R), B (DS), C (DS), zero padding; dtr holds dt_proj's
 # output (T, DI); prm holds dt_bias (DI), D (DI) and A (DI, DS). y = (h . C + D x) * silu(z).
-MAMBA_SCAN = _per_channel([("xs", "f32", False), ("dbc", "f32", False), ("dtr", "f32", False), ("ix", "i32", False),
-                           ("prm", "f32", False), ("xz", "f32", False), ("ssm", "f32", True), ("y", "f32", True)], """
+_SCAN_BUFFERS = [("xs", "f32", False), ("dbc", "f32", False), ("dtr", "f32", False), ("ix", "i32", False),
+                 ("prm", "f32", False), ("xz", "f32", False), ("ssm", "f32", True), ("y", "f32", True)]
+MAMBA_SCAN = _per_channel(_SCAN_BUFFERS, """
   if (t > 0u && row_slot(t - 1u) == r) { return; }
   var h: array<f32, DS>;
   var a: array<f32, DS>;
@@ -554,3 +557,15 @@ MAMBA_SCAN = _per_channel([("xs", "f32", False), ("dbc", "f32", False), ("dtr", 
   }
   for (var s = 0u; s < DS; s++) { ssm[(r * DI + c) * DS + s] = h[s]; }
 """)
+
+
+def _layout(buffers: list[tuple[str, str, bool]]) -> str:
+    """A kernel's bind group layout as the driver spells it: the two uniforms, then r (read)
+    or w (written) per storage buffer."""
+    return "uu" + "".join("w" if written else "r" for _, _, written in buffers)
+
+
+# The Mamba kernels' sources and bind group layouts, from one list of buffers each.
+MAMBA_KERNELS = {"conv": (MAMBA_CONV, _layout(_CONV_BUFFERS)),
+                 "conv_state": (MAMBA_CONV_STATE, _layout(_CONV_STATE_BUFFERS)),
+                 "scan": (MAMBA_SCAN, _layout(_SCAN_BUFFERS))}
