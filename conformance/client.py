@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import socket
 import time
 from dataclasses import dataclass, field
@@ -241,6 +242,13 @@ class Client:
             raise NotSupported(f"/metrics lacks {', '.join(missing)}")
         return snap
 
+    def need_fault_injection(self) -> None:
+        """NotSupported unless the server has a fault-injection route: asked with a GET, which
+        injects nothing (a server with the route answers 405), before a clause starts a server
+        of its own for a fault the shared one, started from the same command, cannot take."""
+        if self.get("/debug/fault").status_code == 404:
+            raise NotSupported("/debug/fault answered 404 (no fault injection)")
+
     def fault(self, kind: str) -> None:
         r = self.post("/debug/fault", {"kind": kind})
         if r.status_code == 404:
@@ -320,6 +328,21 @@ class RawRequest:
                 data = self.sock.recv(65536)
             except TimeoutError as e:
                 raise ServerError(f"no {marker!r} after {timeout:.0f}s") from e
+            if not data:
+                break
+            self.received += data
+        return self.received
+
+    def read_available(self) -> bytes:
+        """Whatever has arrived so far, without waiting for more."""
+        while not self.closed:
+            ready, _, _ = select.select([self.sock], [], [], 0)
+            if not ready:
+                break
+            try:
+                data = self.sock.recv(65536)
+            except OSError:
+                break
             if not data:
                 break
             self.received += data

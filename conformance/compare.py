@@ -19,6 +19,12 @@ def _short(text: str, limit: int = 160) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def _minutes(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    return f"{int(seconds // 60)} min {int(seconds % 60)} s" if seconds >= 60 else f"{seconds:.0f} s"
+
+
 def matrix(reports: list[dict], names: list[str]) -> str:
     """The Markdown matrix of several JSON reports."""
     order: list[str] = []
@@ -53,6 +59,8 @@ def matrix(reports: list[dict], names: list[str]) -> str:
         totals.append(f"{s.get('passed', 0)} passed, {s.get('failed', 0)} failed, "
                       f"{s.get('not_supported', 0)} n/s")
     lines.append("| | **total** | " + " | ".join(totals) + " |")
+    if any("duration_s" in r for r in reports):
+        lines.append("| | run took | " + " | ".join(_minutes(r.get("duration_s")) for r in reports) + " |")
     out = "\n".join(lines)
     if notes:
         out += "\n\n" + "\n".join(notes)

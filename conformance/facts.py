@@ -33,24 +33,27 @@ FACTS: dict[str, str] = {
     "block_size": "tokens per KV block, for a server with paged KV blocks",
     "token_budget": "tokens one engine step may feed beside decoding rows",
     "idle_token_budget": "prompt tokens one engine step may feed with no row decoding",
-    "reservation": "how a request's room is reserved: per_block (paged KV) or per_slot (a fixed context per row)",
+    "reservation": "how a request's room is reserved: per_block (paged KV for its whole max_tokens at open), "
+                   "per_slot (a fixed context per row) or on_demand (paged KV allocated as tokens come)",
     "steps": "a counter of engine steps on /metrics",
     "running": "a gauge of running requests on /metrics",
     "waiting": "a gauge of waiting (queued) requests on /metrics",
     "kv_blocks": "KV block gauges on /metrics (kv_blocks_total, kv_blocks_reserved, kv_blocks_in_use)",
     "cancelled_counter": 'a counter of cancelled requests on /metrics (requests_finished_total{reason="cancelled"})',
     "prefix_metrics": "prefix-cache metrics on /metrics (prefix_registered_tokens)",
+    "prefix_hits": "a counter of prompt tokens served from the prefix cache on /metrics (prefix_cache_hit_tokens_total)",
     "step_tokens": "a histogram of tokens fed per step on /metrics (engine_step_tokens)",
     "cached_tokens": "usage.prompt_tokens_details.cached_tokens in answers",
 }
 INT_FACTS = ("rows", "positions", "block_size", "token_budget", "idle_token_budget")
-RESERVATIONS = ("per_block", "per_slot")
+RESERVATIONS = ("per_block", "per_slot", "on_demand")
 
 # metric names a fact rests on, by contract name (read through the dialect)
 METRIC_FACTS = {"steps": ("engine_steps_total",), "running": ("engine_requests_running",),
                 "waiting": ("engine_requests_waiting",),
                 "kv_blocks": ("kv_blocks_total", "kv_blocks_reserved", "kv_blocks_in_use"),
-                "prefix_metrics": ("prefix_registered_tokens",)}
+                "prefix_metrics": ("prefix_registered_tokens",),
+                "prefix_hits": ("prefix_cache_hit_tokens_total",)}
 
 # llama.cpp's server's own defaults, for facts its endpoints leave out
 LLAMACPP_DEFAULT_BATCH = 2048
@@ -169,6 +172,9 @@ class Facts:
             kind, kind_source = "llamacpp", "/metrics has llamacpp:* names"
         elif any(n.startswith("vllm:") for n in metric_names):
             kind, kind_source = "vllm", "/metrics has vllm:* names"
+        elif models_status == 200 and isinstance(models, dict) and any(
+                isinstance(m, dict) and m.get("owned_by") == "vllm" for m in models.get("data") or []):
+            kind, kind_source = "vllm", "/v1/models says owned_by vllm"
         elif "engine_steps_total" in metric_names:
             kind, kind_source = "poot", "/metrics has engine_steps_total"
         else:
@@ -212,6 +218,9 @@ class Facts:
             seqs = command_option(command, "--max-num-seqs")
             if seqs and seqs.isdigit():
                 found["rows"] = Fact("rows", int(seqs), "the server command's --max-num-seqs")
+            found["reservation"] = Fact("reservation", "on_demand",
+                                        "vLLM allocates paged KV blocks as tokens come, and preempts a running "
+                                        "request when they run out (vllm:num_preemptions_total)")
         if kind == "llamacpp" and "rows" not in found:
             parallel = command_option(command, "-np", "--parallel")
             if parallel and parallel.isdigit():

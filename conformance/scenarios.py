@@ -239,3 +239,33 @@ def fill_rows(client: Client, probes: Probes, rows: int, max_tokens: list[int], 
             f.close()
         raise
     return fillers
+
+
+def cached_tokens(client: Client, prompt: Any, **params: Any) -> tuple[dict, int]:
+    """A completion and how many of its prompt tokens came from the prefix cache: the answer's
+    usage.prompt_tokens_details.cached_tokens, or, where answers do not carry it, how far the
+    server's prefix-hit counter moved over the request (the suite sends nothing else meanwhile).
+    NotSupported when the server tells neither."""
+    facts = client.facts
+    hits = facts is not None and not facts.has("cached_tokens") and facts.has("prefix_hits")
+    before = client.metric("prefix_cache_hit_tokens_total") if hits else None
+    answer = client.complete(prompt, **params)
+    details = answer.get("usage", {}).get("prompt_tokens_details")
+    if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+        return answer, details["cached_tokens"]
+    if before is None:
+        if facts is not None:
+            facts.need("cached_tokens")  # names what is missing
+        raise ServerError(f"usage has no prompt_tokens_details.cached_tokens: {answer.get('usage')!r}")
+    return answer, int(client.metric("prefix_cache_hit_tokens_total") - before)
+
+
+def need_cached_tokens(client: Client) -> str:
+    """Which way this server tells cached prompt tokens (see cached_tokens); NotSupported if none."""
+    facts = client.facts
+    if facts is None or facts.has("cached_tokens"):
+        return "usage.prompt_tokens_details.cached_tokens"
+    if facts.has("prefix_hits"):
+        return "the prefix-hit counter on /metrics"
+    facts.need("cached_tokens", "prefix_hits")
+    raise AssertionError("unreachable")

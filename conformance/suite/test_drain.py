@@ -18,11 +18,16 @@ MAX_TOKENS = 400
 
 @dataclass
 class Drain:
+    """What the shutdown scenario saw. Each step is recorded even when a later one goes wrong,
+    so every clause is judged on the evidence it needs, and one that has none says why."""
+
     health: list[tuple[int | None, dict]] = field(default_factory=list)  # answers while the stream ran
     new_request: int | str | None = None  # status of a request sent while draining, or "refused"
     finish_reason: str | None = None
     done: bool = False
+    stream_error: str | None = None  # why the in-flight stream was not read to its end
     exit_code: int | None = None
+    exit_wait: float = 0.0  # how long the exit was waited for
     stream_ended_before_poll: bool = False
 
 
@@ -52,11 +57,18 @@ def run_drain(spawn, timeout: float) -> Drain:
             except httpx.HTTPError:
                 drain.new_request = "refused"
         drain.stream_ended_before_poll = not drain.health
-        Mux([stream]).run(timeout=60)
+        try:
+            Mux([stream]).run(timeout=60)
+        except AssertionError as e:
+            drain.stream_error = str(e)
+        finally:
+            stream.close()
         chunks = stream.result()
         drain.done = chunks[1]
         drain.finish_reason = stream.finish_reason()
+        waited = time.monotonic()
         drain.exit_code = server.wait_exit(timeout)
+        drain.exit_wait = time.monotonic() - waited
         return drain
     finally:
         client.close()
@@ -90,8 +102,10 @@ def test_health_reports_draining(spawn, target, recorded):
 @clause("drain/inflight/1")
 def test_in_flight_requests_finish(spawn, target, recorded):
     d = drained(spawn, target, recorded)
+    how = f" ({d.stream_error})" if d.stream_error else ""
     assert d.finish_reason == "length" and d.done, \
-        f"the stream in flight at shutdown ended with finish_reason {d.finish_reason!r} (done: {d.done}), expected 'length'"
+        (f"the stream in flight at shutdown ended with finish_reason {d.finish_reason!r} (done: {d.done}){how}, "
+         "expected 'length'")
 
 
 @clause("drain/refuse/1")
@@ -103,4 +117,7 @@ def test_new_requests_are_turned_away(spawn, target, recorded):
 @clause("drain/exit/1")
 def test_process_exits_once_drained(spawn, target, recorded):
     d = drained(spawn, target, recorded)
-    assert d.exit_code == 0, f"the server exited with {d.exit_code} after draining (None: still running), expected 0"
+    if d.exit_code is None:
+        raise AssertionError(f"the server was still running {d.exit_wait:.0f} s after its in-flight stream ended, "
+                             "expected it to exit 0 once drained")
+    assert d.exit_code == 0, f"the server exited with {d.exit_code} after draining, expected 0"

@@ -91,9 +91,9 @@ class Death:
     held_after: dict | None = None  # the same once /health says dead; None without /metrics
 
 
-def kill_engine(spawn, kind: str) -> Death:
+def kill_engine(spawn, kind: str, startup_timeout: float) -> Death:
     server = spawn()
-    server.wait_healthy(60)
+    server.wait_healthy(startup_timeout)
     client = Client(server.url)
     try:
         streams = [RawStream.open(client, unique_text(16), max_tokens=300, temperature=0, ignore_eos=True)
@@ -141,10 +141,11 @@ def deaths() -> dict[str, Death | BaseException]:
     return {}
 
 
-def death_by(kind: str, spawn, deaths) -> Death:
+def death_by(kind: str, spawn, deaths, target) -> Death:
     if kind not in deaths:
         try:
-            deaths[kind] = kill_engine(spawn, kind)
+            target.client.need_fault_injection()
+            deaths[kind] = kill_engine(spawn, kind, target.options.getoption("poot_startup_timeout"))
         except BaseException as e:  # noqa: BLE001 - replayed to each clause that needs the scenario
             deaths[kind] = e
     got = deaths[kind]
@@ -163,18 +164,18 @@ def check_dead(death: Death, cause: str) -> None:
 
 
 @clause("faults/dead/1")
-def test_half_applied_step_kills_the_engine(spawn, deaths):
-    check_dead(death_by("fault", spawn, deaths), "fault")
+def test_half_applied_step_kills_the_engine(spawn, deaths, target):
+    check_dead(death_by("fault", spawn, deaths, target), "fault")
 
 
 @clause("faults/dead/2")
-def test_panicked_engine_is_reported_dead(spawn, deaths):
-    check_dead(death_by("panic", spawn, deaths), "panicked")
+def test_panicked_engine_is_reported_dead(spawn, deaths, target):
+    check_dead(death_by("panic", spawn, deaths, target), "panicked")
 
 
 @clause("faults/dead/3")
-def test_dead_engine_turns_requests_away(spawn, deaths):
-    death = death_by("fault", spawn, deaths)
+def test_dead_engine_turns_requests_away(spawn, deaths, target):
+    death = death_by("fault", spawn, deaths, target)
     assert death.after_status is not None and 500 <= death.after_status < 600, \
         f"a request to a dead engine answered {death.after_status}, expected 5xx"
     assert isinstance(death.after_body.get("error"), dict), f"no error object: {death.after_body!r}"
@@ -182,8 +183,8 @@ def test_dead_engine_turns_requests_away(spawn, deaths):
 
 
 @clause("faults/dead/4")
-def test_half_applied_step_releases_nothing(spawn, deaths):
-    death = death_by("fault", spawn, deaths)
+def test_half_applied_step_releases_nothing(spawn, deaths, target):
+    death = death_by("fault", spawn, deaths, target)
     if death.held_before is None or death.held_after is None:
         raise NotSupported("what the engine holds is read from /metrics (kv_blocks_reserved, "
                            "engine_requests_running), which this server does not serve")

@@ -92,6 +92,11 @@ class NoRoom:
     first_finish: str | None = None
     newcomer_finish: str | None = None
     newcomer_status: int | None = None
+    stream_error: str | None = None  # why the two streams were not read to their ends
+
+    @property
+    def how(self) -> str:
+        return f" ({self.stream_error})" if self.stream_error else ""
 
 
 def run_no_room(client: Client, probes: Probes) -> NoRoom:
@@ -105,7 +110,10 @@ def run_no_room(client: Client, probes: Probes) -> NoRoom:
             seen.running_while_waiting = client.metrics().get("engine_requests_running")
         except AssertionError as e:
             seen.not_waiting = str(e)
-        Mux([fillers[0], newcomer]).run(timeout=60)
+        try:
+            Mux([fillers[0], newcomer]).run(timeout=60)
+        except AssertionError as e:  # judged on what was seen up to here
+            seen.stream_error = str(e)
         seen.newcomer_first, seen.first_end = newcomer.first_data, fillers[0].finished
         seen.first_finish, seen.newcomer_finish = fillers[0].finish_reason(), newcomer.finish_reason()
         seen.newcomer_status = newcomer.request.status
@@ -139,9 +147,10 @@ def test_request_without_room_waits_then_is_served(client: Client, probes: Probe
     seen = no_room(client, probes, no_room_seen)
     assert seen.not_waiting is None, \
         f"with every row taken, one request more never showed as waiting: {seen.not_waiting}"
-    assert seen.newcomer_first is not None, "the waiting request never got a token"
+    assert seen.newcomer_first is not None, f"the waiting request never got a token{seen.how}"
     assert seen.newcomer_finish == "length", \
-        f"the waiting request ended {seen.newcomer_finish!r}; a request without room must wait, then be served"
+        (f"the waiting request ended {seen.newcomer_finish!r}{seen.how}; a request without room must wait, "
+         "then be served")
     assert seen.newcomer_status == 200, f"the waiting request answered {seen.newcomer_status}"
 
 
@@ -156,7 +165,7 @@ def test_running_requests_are_never_preempted(client: Client, probes: Probes, no
             (f"the waiting request got its first token {(seen.first_end or 0) - seen.newcomer_first:.3f}s before "
              "the first running request finished: a running request lost its row")
     assert seen.first_finish == "length", \
-        f"the first running request ended {seen.first_finish!r}, expected 'length' (all its tokens)"
+        f"the first running request ended {seen.first_finish!r}{seen.how}, expected 'length' (all its tokens)"
 
 
 @clause("loop/reserve/1")
@@ -183,8 +192,11 @@ def test_opening_reserves_the_whole_max_tokens(client: Client, probes: Probes, i
     finally:
         stream.close()
     assert low is not None, "the request ended before kv_blocks_reserved could be read"
+    how = ""
+    if client.need("reservation")["reservation"] == "on_demand":
+        how = f" (the server allocates blocks as tokens come: {client.facts.known['reservation'].source})"
     assert low >= need, (f"kv_blocks_reserved fell to {low:.0f} while a request of ~{prompt_tokens} prompt + "
-                         f"{max_tokens} max_tokens ran; it needs {need} blocks of {plan['block_size']}")
+                         f"{max_tokens} max_tokens ran; it needs {need} blocks of {plan['block_size']}{how}")
 
 
 def slot_holds_the_whole_max_tokens(client: Client, probes: Probes) -> None:
@@ -275,17 +287,24 @@ def test_prefill_beside_a_decoding_row_stays_within_the_token_budget(client: Cli
         raise NotSupported(f"engine_step_tokens has no bucket at the token budget ({budget})")
     chars = min(plan["positions"] - 8, 3 * budget)
     max_tokens = plan["positions"] - 40
-    decode = RawStream.open(client, unique_text(16), **probes.long_params(max_tokens))
-    try:
-        Mux([decode]).run(until=lambda m: decode.first_data is not None, timeout=30)
-        before = step_tokens(client, decoding=True)
-        answers = _burst(client, 4, chars)
-        after = step_tokens(client, decoding=True)
-        running = decode.finish_reason() is None
-    finally:
-        decode.close()
-    assert running, "the decoding request ended before the burst was prefilled; the check needs it beside"
-    fed = sum(a["usage"]["prompt_tokens"] - a["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
+    # The decoding row must outlive the burst's prefill; on a busy machine the burst may arrive
+    # late enough for a short decode to end first, and the scenario is then run again.
+    for _ in range(3):
+        decode = RawStream.open(client, unique_text(16), **probes.long_params(max_tokens))
+        try:
+            Mux([decode]).run(until=lambda m: m.streams[0].first_data is not None, timeout=30)
+            before = step_tokens(client, decoding=True)
+            answers = _burst(client, 4, chars)
+            after = step_tokens(client, decoding=True)
+            decode.request.read_available()
+            running = decode.finish_reason() is None
+        finally:
+            decode.close()
+        if running:
+            break
+        client.wait_idle()
+    assert running, "in 3 tries the decoding request ended before the burst was prefilled; the check needs it beside"
+    fed = sum(a["usage"]["prompt_tokens"] - (a["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
               for a in answers)
     steps = after[1] - before[1]
     tokens = after[2] - before[2]
@@ -352,7 +371,7 @@ def test_prefill_with_no_row_decoding_stays_within_the_idle_budget(client: Clien
     before = client.metric("engine_steps_total")
     answers = _burst(client, k, chars)
     steps = client.metric("engine_steps_total") - before
-    total = sum(a["usage"]["prompt_tokens"] - a["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
+    total = sum(a["usage"]["prompt_tokens"] - (a["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
                 for a in answers)
     need = math.ceil(total / limit)
     assert steps >= need, (f"{k} prompts of {total} tokens in all were prefilled in {steps:.0f} steps; a budget of "

@@ -6,22 +6,18 @@ import pytest
 
 from poot.conformance.client import Client
 from poot.conformance.outcomes import NotSupported
-from poot.conformance.scenarios import unique_text
+from poot.conformance.scenarios import cached_tokens, need_cached_tokens, unique_text
 
 clause = pytest.mark.clause
 
 
-def cached_tokens(answer: dict) -> int:
-    details = answer["usage"].get("prompt_tokens_details")
-    assert isinstance(details, dict) and isinstance(details.get("cached_tokens"), int), \
-        f"usage has no prompt_tokens_details.cached_tokens: {answer['usage']!r}"
-    return details["cached_tokens"]
-
-
 @clause("prefix/register/1")
 def test_finished_request_registers_whole_prompt_blocks(client: Client, idle):
-    if client.facts is not None and client.facts.get("reservation") == "per_slot" and not client.facts.has("block_size"):
+    facts = client.facts
+    if facts is not None and facts.get("reservation") == "per_slot" and not facts.has("block_size"):
         return slot_keeps_the_whole_prompt(client)
+    if facts is not None and not facts.has("prefix_metrics") and (facts.has("cached_tokens") or facts.has("prefix_hits")):
+        return whole_blocks_hit_when_sent_again(client)
     plan = client.need("block_size", "positions", "prefix_metrics")
     bs = plan["block_size"]
     registered = client.metric("prefix_registered_tokens")
@@ -34,16 +30,35 @@ def test_finished_request_registers_whole_prompt_blocks(client: Client, idle):
         f"a {p}-token prompt grew prefix_registered_tokens by {grown:.0f}; its whole blocks hold {(p // bs) * bs}"
 
 
+def whole_blocks_hit_when_sent_again(client: Client) -> None:
+    """No counter of registered tokens: what a finished request registered shows as what the
+    same prompt, sent next, takes from the cache: its whole blocks (all but the block holding
+    its last token, at worst, which a server may feed again for the next token's logits)."""
+    plan = client.need("block_size", "positions")
+    how = need_cached_tokens(client)
+    bs = plan["block_size"]
+    prompt = unique_text(min(plan["positions"] // 2, 10 * bs + 5))
+    first, _ = cached_tokens(client, prompt, max_tokens=2)
+    client.wait_idle()
+    _, got = cached_tokens(client, prompt, max_tokens=2)
+    p = first["usage"]["prompt_tokens"]
+    assert got % bs == 0, f"a finished {p}-token prompt sent again hit {got} cached tokens ({how}), not whole blocks of {bs}"
+    assert (p // bs - 1) * bs <= got <= p, \
+        (f"a finished {p}-token prompt sent again hit {got} cached tokens ({how}); had its whole blocks been "
+         f"registered, at least {(p // bs - 1) * bs}")
+
+
 def slot_keeps_the_whole_prompt(client: Client) -> None:
     """A fixed context per slot, no blocks: a finished request's prompt stays in its slot, so
     the same prompt sent next has every token but the last one cached (that one is fed again
     for the next token's logits)."""
-    plan = client.need("positions", "cached_tokens")
+    plan = client.need("positions")
+    need_cached_tokens(client)
     prompt = unique_text(min(plan["positions"] // 2, 400))
     first = client.complete(prompt, max_tokens=2)
     client.wait_idle()
-    again = client.complete(prompt, max_tokens=2)
-    p, got = first["usage"]["prompt_tokens"], cached_tokens(again)
+    _, got = cached_tokens(client, prompt, max_tokens=2)
+    p = first["usage"]["prompt_tokens"]
     assert got >= p - 1, \
         (f"a finished {p}-token prompt sent again reports cached_tokens {got}; kept whole in its slot, at least "
          f"{p - 1} (all but its last token) are cached")
@@ -51,20 +66,21 @@ def slot_keeps_the_whole_prompt(client: Client) -> None:
 
 @clause("prefix/reuse/1")
 def test_later_request_reuses_the_prefix(client: Client):
-    plan = client.need("positions", "cached_tokens")
+    plan = client.need("positions")
+    how = need_cached_tokens(client)
     bs = client.facts.get("block_size") if client.facts else client.need("block_size")["block_size"]
     prompt = unique_text(min(plan["positions"] // 2, 8 * bs + 3) if bs else min(plan["positions"] // 2, 400))
-    first = client.complete(prompt, max_tokens=2)
-    second = client.complete(prompt, max_tokens=2)
-    third = client.complete(prompt + " and then something else entirely", max_tokens=2)
-    assert cached_tokens(first) == 0, f"a fresh prompt reports cached_tokens {cached_tokens(first)}"
-    for name, answer in (("the same prompt", second), ("a longer prompt with that prefix", third)):
-        got = cached_tokens(answer)
+    first, cold = cached_tokens(client, prompt, max_tokens=2)
+    second, again = cached_tokens(client, prompt, max_tokens=2)
+    third, longer = cached_tokens(client, prompt + " and then something else entirely", max_tokens=2)
+    assert cold == 0, f"a fresh prompt hit {cold} cached tokens ({how})"
+    for name, answer, got in (("the same prompt", second, again), ("a longer prompt with that prefix", third, longer)):
         if bs:  # paged blocks: only whole blocks are cached
-            assert got > 0 and got % bs == 0, f"{name} reports cached_tokens {got}, expected a positive multiple of {bs}"
+            assert got > 0 and got % bs == 0, \
+                f"{name} hit {got} cached tokens ({how}), expected a positive multiple of {bs}"
         else:
-            assert got > 0, f"{name} reports cached_tokens {got}, expected the cached prefix"
-        assert got <= answer["usage"]["prompt_tokens"], f"{name}: cached_tokens {got} > prompt_tokens"
+            assert got > 0, f"{name} hit {got} cached tokens ({how}), expected the cached prefix"
+        assert got <= answer["usage"]["prompt_tokens"], f"{name}: {got} cached tokens > prompt_tokens"
     assert second["usage"]["prompt_tokens"] == first["usage"]["prompt_tokens"], "prompt_tokens changed with a cache hit"
     try:
         rate = client.metrics().get("prefix_cache_hit_rate")

@@ -10,6 +10,7 @@ import pytest
 from poot.conformance.client import Client
 from poot.conformance.facts import Facts
 from poot.conformance.outcomes import NotSupported
+from poot.conformance.scenarios import Probes, RawStream, unique_text
 
 clause = pytest.mark.clause
 
@@ -57,24 +58,53 @@ def test_no_option_sets_rows_or_positions(spawn, target):
     assert not wrong, "options for rows or positions were accepted: " + "; ".join(wrong)
 
 
+def rows_running_at_once(client: Client, probes: Probes, more_than: int) -> int:
+    """How many of `more_than` + 4 long streams opened at once run together, by the server's
+    running gauge, once every one of them is running or queued."""
+    count = more_than + 4
+    streams = [RawStream.open(client, unique_text(16), **probes.long_params(400)) for _ in range(count)]
+    try:
+        client.wait_until(lambda s: s.get("engine_requests_running", 0) + s.get("engine_requests_waiting", 0)
+                          >= count, 60, f"{count} requests running or queued")
+        deadline, most = time.monotonic() + 1.0, 0.0
+        while time.monotonic() < deadline:
+            most = max(most, client.metrics().get("engine_requests_running", 0))
+            time.sleep(0.02)
+        return int(most)
+    finally:
+        for s in streams:
+            s.close()
+
+
 @clause("startup/plan/2")
 def test_environment_does_not_change_the_plan(spawn, target, client: Client):
     base = client.need_plan("rows", "positions")
-    told = [f"{k} ({target.facts.known[k].source})" for k in ("rows", "positions")
-            if k in target.facts.known and "command" in target.facts.known[k].source]
-    if told:
-        raise NotSupported(f"{', '.join(told)} is read off the command line, not from the server, so an "
-                           "environment variable's effect on it cannot be seen")
     p = spawn(env=ROW_AND_POSITION_ENV)
     p.wait_healthy(target.options.getoption("poot_startup_timeout"))
     probe = Client(p.url)
     try:
-        # The second server's facts are read as the first one's were: its /health plan, or what
-        # its kind publishes (llama.cpp's /props).
+        # The second server's plan is read as the first one's was, from what it publishes (its
+        # /health plan, llama.cpp's /props, vLLM's /v1/models), never from its command line,
+        # which is the first one's too; rows it does not publish are counted on its running gauge.
         probe.facts = Facts.discover(probe.http, dialect=target.facts.dialect)
-        other = probe.need_plan("rows", "positions")
+        probe.dialect = probe.facts.dialect
+        other, how = {}, {}
+        for key in ("rows", "positions"):
+            if key in probe.facts.known and probe.facts.known[key].value:
+                other[key], how[key] = probe.facts.known[key].value, probe.facts.known[key].source
+        if "rows" not in other:
+            probe.facts.learn_metrics(probe.metrics())
+            if not (probe.facts.has("running") and probe.facts.has("waiting")):
+                raise NotSupported("the second server publishes no rows and no running and waiting gauges to count "
+                                   "them on, so an environment variable's effect on them cannot be seen")
+            other["rows"] = rows_running_at_once(probe, Probes(probe), base["rows"])
+            how["rows"] = f"counted on its running gauge with {base['rows'] + 4} streams open"
+        if "positions" not in other:
+            raise NotSupported("the second server does not publish its positions, so an environment variable's "
+                               "effect on them cannot be seen")
     finally:
         probe.close()
     for key in ("rows", "positions"):
         assert other[key] == base[key], \
-            f"with row/position environment variables set, plan.{key} is {other[key]}, without {base[key]}"
+            (f"with row/position environment variables set, plan.{key} is {other[key]} ({how[key]}), "
+             f"without {base[key]}")

@@ -109,3 +109,19 @@ def test_timing_alone_judges_batching_and_release(tmp_path, mutation, fails):
         assert got[fails] == "failed", r.stdout[-3000:]
         other = next(c for c in got if c != fails)
         assert got[other] != "failed", r.stdout[-3000:]
+
+
+@pytest.mark.slow
+def test_fault_clauses_start_no_server_where_there_is_no_fault_injection(tmp_path):
+    """A server without /debug/fault makes every faults/* clause "not supported" without
+    starting a private server first (a slow one could time out and fail the clause instead):
+    this command starts once and refuses a second start."""
+    marker, report = tmp_path / "started", tmp_path / "report.json"
+    once = f"sh -c 'if [ -e {marker} ]; then echo second start; exit 3; fi; touch {marker}; exec {OPENAI_ONLY}'"
+    r = subprocess.run([*CLI, "--strict", "--server-cmd", once, "--json", str(report), "faults"],
+                       capture_output=True, text=True, timeout=600)
+    data = json.loads(report.read_text())
+    got = {c["id"]: (c["outcome"], c["why"]) for c in data["clauses"]}
+    assert len(got) == 6, r.stdout[-3000:]
+    assert all(outcome == "not_supported" for outcome, _ in got.values()), got
+    assert all("no fault injection" in why for cid, (_, why) in got.items() if cid.startswith("faults/dead")), got

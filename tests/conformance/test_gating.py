@@ -117,6 +117,8 @@ def test_compare_writes_a_matrix_of_clauses_by_servers(url, tmp_path):
     assert "| clause | title | ours | theirs |" in text
     row = next(line for line in text.splitlines() if line.startswith("| `api/health/1`"))
     assert "pass" in row and "**fail**" in row
+    took = next(line for line in text.splitlines() if "run took" in line)
+    assert took.count(" s |") == 2, took  # each run's duration, in its column
     assert text == r.stdout
 
 

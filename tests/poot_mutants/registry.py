@@ -207,7 +207,7 @@ MUTANTS: tuple[Mutant, ...] = (
       "steps of more than one row keep 3 bits of their logits' mantissa", "under load",
       {"driver": e.BatchDependentPrecision}, scope=("determinism/batch",)),
     M("no_prefix_reuse", "prefix/reuse/1",
-      "prefix lookups never hit", "reports cached_tokens 0",
+      "prefix lookups never hit", "hit 0 cached tokens",
       {"prefix_cache": e.NoPrefixReuse}, scope=("prefix",)),
     M("ignore_seed", "determinism/seed/1",
       "sampling ignores the request's seed", "same seed, different texts",
