@@ -77,6 +77,11 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "clause(*ids): the spec clauses a conformance test checks")
     config.addinivalue_line("markers", "disruptive: may leave the shared server unusable; runs last")
     config.stash[STATE] = RunState(load_spec())
+    if path := config.getoption("poot_expectations", None):
+        try:  # read now, not after a run that may last half an hour
+            expectations.load(path)
+        except (OSError, expectations.ExpectationsError) as e:
+            raise pytest.UsageError(str(e)) from e
 
 
 def profiles_of(config: pytest.Config) -> list[str]:
