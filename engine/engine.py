@@ -10,6 +10,7 @@ Each iteration runs five phases, in this order:
 
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 import queue
@@ -96,6 +97,10 @@ class Engine:
         self.step_times = StepTimes()
         self._device_s = 0.0  # the driver's share of the current iteration
         self.finished_by_reason: Counter[str] = Counter(dict.fromkeys(("stop", "length", "cancelled", "error"), 0))
+        # Events wait here until the iteration that made them has published its metrics, so a
+        # client that saw its request end never scrapes a snapshot from before that end.
+        self._outbox: list[tuple[RequestHandle, Event]] = []
+        self._published = self._snapshot()
 
     @classmethod
     def create(cls, model, backend: str = "auto", draft: str | None = None, driver: Driver | None = None,
@@ -131,7 +136,7 @@ class Engine:
         params.validate()
         handle = RequestHandle(next(self._ids), sink)
         job = _Job(handle, prompt, params)
-        with self._lock:  # the same lock _die takes: a job is either failed by it or refused here
+        with self._lock:  # the same lock die takes: a job is either failed by it or refused here
             if self._health.status != "ok":
                 raise EngineDead(self._health.reason or "the engine is not serving")
             self._in_flight[handle.request_id] = job
@@ -173,6 +178,13 @@ class Engine:
             self._thread.join(timeout)
 
     def metrics(self) -> dict:
+        """What /metrics reports: the snapshot the engine thread published at the end of its
+        last iteration, so one scrape never mixes two steps or reads a list mid-change. A copy:
+        the caller may change it."""
+        return copy.deepcopy(self._published)
+
+    def _snapshot(self) -> dict:
+        """The engine's numbers as one consistent whole; built on the engine thread only."""
         s = self.scheduler
         cache = self.prefix_cache
         m = {
@@ -185,6 +197,7 @@ class Engine:
             "kv_blocks_reserved": s.num_reserved_blocks,
             "kv_blocks_in_use": len({b for q in s.running for b in q.block_table[: self.plan.blocks_for(q.num_computed)]}),
             "kv_blocks_cached": cache.num_cached_free() if cache else 0,
+            "kv_blocks_free": len(self.pool.free_ids),
             "requests_finished": dict(self.finished_by_reason),
             "prompt_tokens": self.counters["prompt_tokens"],
             "generation_tokens": self.counters["generation_tokens"],
@@ -202,6 +215,13 @@ class Engine:
         }
         return m
 
+    def _publish(self) -> None:
+        """Ends an iteration: its snapshot first, then the events it made."""
+        self._published = self._snapshot()
+        outbox, self._outbox = self._outbox, []
+        for handle, event in outbox:
+            self._deliver(handle, event)
+
     # ---- the loop (engine thread) ------------------------------------------------------
 
     def _run(self) -> None:
@@ -211,12 +231,12 @@ class Engine:
                     self._wait_for_job()
                 self.iteration()
         except DeviceFault as e:
-            self._die("fault", str(e))
+            self.die("fault", str(e))
         except Exception as e:  # a crash of the loop itself: nothing it holds can be trusted
             log.exception("engine thread panicked")
-            self._die("panicked", f"{type(e).__name__}: {e}")
+            self.die("panicked", f"{type(e).__name__}: {e}")
         else:
-            self._die("stopped", "the engine was stopped")
+            self.die("stopped", "the engine was stopped")
 
     def iteration(self) -> None:
         if self._panic_armed:
@@ -224,8 +244,8 @@ class Engine:
             raise RuntimeError("injected: engine thread panic")
         began = time.perf_counter()
         self._take_jobs()
-        self._release_cancelled()
-        self._open_waiting()
+        self.release_cancelled()
+        self.open_waiting()
         scheduled, out = self._step()
         self._commit(scheduled, out)
         if scheduled:
@@ -233,6 +253,7 @@ class Engine:
             kind = kind_of(decoding=any(s.work.start >= len(s.seq.prompt) for s in scheduled),
                            prefilling=any(s.work.start < len(s.seq.prompt) for s in scheduled))
             self.step_times.observe(kind, took, took - self._device_s)
+        self._publish()
 
     def _wait_for_job(self) -> None:
         # Sleep until a job is queued (or a moment passes); phase 1 then takes every queued job
@@ -250,7 +271,7 @@ class Engine:
                 return
             try:
                 prompt = self._tokenize(job.prompt)
-                self._check_fits(prompt, job.params, 1 + len(job.more))
+                self.check_fits(prompt, job.params, 1 + len(job.more))
             except InvalidRequest as e:
                 for handle in (job.handle, *job.more):
                     self._reject(_Job(handle, job.prompt, job.params), str(e), e.param)
@@ -295,7 +316,7 @@ class Engine:
             raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab})", "prompt")
         return list(prompt)
 
-    def _check_fits(self, prompt: list[int], params: SamplingParams, n: int = 1) -> None:
+    def check_fits(self, prompt: list[int], params: SamplingParams, n: int = 1) -> None:
         if not prompt:
             raise InvalidRequest("the prompt is empty", "prompt")
         logits_processors.check_vocab(params, self.model.tokenizer.vocab_size)
@@ -308,14 +329,14 @@ class Engine:
                 f"positions; this server holds at most {self.plan.positions} per sequence", "max_tokens")
 
     # phase 2
-    def _release_cancelled(self) -> None:
+    def release_cancelled(self) -> None:
         s = self.scheduler
         gone = [q for q in (*s.waiting, *s.running) if q.handle.cancelled.is_set()]
         for seq in gone:
             self._finish(seq, "cancelled")
 
     # phase 3
-    def _open_waiting(self) -> None:
+    def open_waiting(self) -> None:
         now = time.perf_counter()
         for seq in self.scheduler.open_waiting():
             seq.opened_at = now
@@ -335,7 +356,7 @@ class Engine:
         try:
             out = self.driver.step([s.work for s in scheduled])
         except StepRefused as e:
-            self._refused(scheduled, e)
+            self.on_step_refused(scheduled, e)
             return [], None
         self._device_s = time.perf_counter() - began
         self.counters["steps"] += 1
@@ -343,7 +364,7 @@ class Engine:
                                  decoding=any(not s.seq.prefilling for s in scheduled))
         return scheduled, out
 
-    def _refused(self, scheduled: list[Scheduled], e: StepRefused) -> None:
+    def on_step_refused(self, scheduled: list[Scheduled], e: StepRefused) -> None:
         """Nothing ran: only this step's requests fail, their rows and blocks go back."""
         for s in scheduled:
             self._finish(s.seq, "error", f"the driver refused the step: {e}")
@@ -402,11 +423,11 @@ class Engine:
             text.append(released)
             if stopped:
                 reason = "stop"
-            elif self._ends_on_eos(seq, token):
+            elif self.ends_on_eos(seq, token):
                 reason = "stop"
-            elif self._reached_max_tokens(seq):
+            elif self.reached_max_tokens(seq):
                 reason = "length"
-            if reason or i >= len(drafts) or not self._accepts(drafts[i], token):
+            if reason or i >= len(drafts) or not self.accepts_draft(drafts[i], token):
                 break
         if was_decoding:  # KV now holds the fed token and every accepted draft
             seq.num_computed += len(kept)
@@ -421,15 +442,15 @@ class Engine:
         if reason:
             self._finish(seq, reason)
 
-    def _ends_on_eos(self, seq: Sequence, token: int) -> bool:
+    def ends_on_eos(self, seq: Sequence, token: int) -> bool:
         if token in seq.params.stop_token_ids:
             return True
         return token in self.model.tokenizer.eos_token_ids and not seq.params.ignore_eos
 
-    def _reached_max_tokens(self, seq: Sequence) -> bool:
+    def reached_max_tokens(self, seq: Sequence) -> bool:
         return len(seq.output) >= seq.params.max_tokens
 
-    def _accepts(self, draft: int, token: int) -> bool:
+    def accepts_draft(self, draft: int, token: int) -> bool:
         """A draft is accepted when the target's token at its position equals it."""
         return token == draft
 
@@ -456,7 +477,7 @@ class Engine:
         with self._lock:
             self._in_flight.pop(request_id, None)
 
-    def _die(self, cause: str, reason: str) -> None:
+    def die(self, cause: str, reason: str) -> None:
         """Fails every request in flight and stops serving. Blocks are not released: after a
         fault the device state they describe cannot be trusted."""
         with self._lock:
@@ -468,8 +489,12 @@ class Engine:
             completion = len(item.output) if isinstance(item, Sequence) else 0
             self.finished_by_reason["error"] += 1
             self._emit(item.handle, Finished("error", prompt_tokens, completion, 0, f"engine {cause}: {reason}"))
+        self._publish()  # what the iteration emitted before it failed, then these ends
 
     def _emit(self, handle: RequestHandle, event: Event) -> None:
+        self._outbox.append((handle, event))  # delivered when the iteration publishes
+
+    def _deliver(self, handle: RequestHandle, event: Event) -> None:
         try:
             handle.sink(event)
         except Exception:  # a broken sink must not take the engine down; its request ends

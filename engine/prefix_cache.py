@@ -83,13 +83,13 @@ class PrefixCache:
         filled = min(seq.num_computed, len(seq.prompt)) // self.block_size
         if self.recurrent:
             return None
-        registered = self._register(seq.prompt, seq.block_table[:filled])
+        registered = self.register_prefix(seq.prompt, seq.block_table[:filled])
         # Last blocks first: a chain's tail holds the most tokens and is the least likely hit,
         # so it becomes the least recently used and is evicted first.
         self.pool.free(reversed(seq.block_table))
         return registered
 
-    def _register(self, prompt: list[int], blocks: list[int]) -> int:
+    def register_prefix(self, prompt: list[int], blocks: list[int]) -> int:
         bs, key, added = self.block_size, self.root, 0
         for i, b in enumerate(blocks):
             tokens = tuple(prompt[i * bs : (i + 1) * bs])

@@ -28,7 +28,7 @@ class StopChecker:
             self.sent = max(self.sent, hit)
             self.text = self.text[:hit]
             return released, True
-        safe = len(self.text) - self._held_back()
+        safe = len(self.text) - self.held_back()
         released = self.text[self.sent : safe] if safe > self.sent else ""
         self.sent = max(self.sent, safe)
         return released, False
@@ -49,7 +49,7 @@ class StopChecker:
         found = [i for s in self.stops if (i := self.text.find(s, window)) >= 0]
         return min(found) if found else None
 
-    def _held_back(self) -> int:
+    def held_back(self) -> int:
         # An incomplete character may still complete a stop string begun before it, so the
         # stop-prefix test runs on the text before it and both parts are held.
         complete = self.text.rstrip("\ufffd")

@@ -92,6 +92,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--gap-ratio-limit", type=float, default=3.0, help="long-burst: max gap / median gap bound")
     r.add_argument("--idle-timeout", type=float, default=15.0, help="seconds to wait for the server to go idle")
     r.add_argument("--scrape-interval", type=float, default=0.5)
+    r.add_argument("--workers", type=int, default=1, help="locust worker processes under one master on this "
+                   "machine (worker i of N sends requests i, i+N, ...); 1: a single locust process")
     r.add_argument("--locust-args", default="", help="extra locust options (e.g. for --master)")
     m = p.add_argument_group("soak: the server's resident memory")
     m.add_argument("--rss-interval", type=float, default=2.0, help="seconds between RSS samples")
@@ -141,13 +143,14 @@ def _say(a, *msg) -> None:
 
 
 def run_locust(url: str, cfg, out: str, users: int, run_time: float, extra: str, quiet: bool,
-               key: str | None = None) -> int:
+               key: str | None = None, workers: int = 1) -> int:
     # Users spawn within ~50 ms so the open-loop pool is ready before the first arrivals.
+    scale_out = ["--processes", str(workers), "--poot-workers", str(workers)] if workers > 1 else []
     cmd = [sys.executable, "-m", "locust", "-f", LOCUSTFILE, "--headless", "-u", str(users), "-r", str(users * 20),
            "-t", f"{int(max(1, run_time))}s", "--host", url, "--csv", os.path.join(out, "locust"),
            "--only-summary", "--stop-timeout", "5", "--loglevel", "WARNING",
            "--logfile", os.path.join(out, "locust.log"), "--exit-code-on-error", "0",
-           "--poot-config", json.dumps(cfg.as_dict()), "--poot-out", out] + extra.split()
+           "--poot-config", json.dumps(cfg.as_dict()), "--poot-out", out] + scale_out + extra.split()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if key:  # through the environment: a command line is visible to every user of the machine
         env[ENV_VAR] = key
@@ -212,7 +215,10 @@ def run_scenario(a) -> int:
         specs = build(cfg)
         users = max(1, min(users, len(specs)))
         t_load = time.time()
-        code = run_locust(url, cfg, out, users, a.run_time, a.locust_args, a.quiet, a.key)
+        if a.workers < 1:
+            raise SystemExit("poot-load: --workers must be at least 1")
+        users = max(users, a.workers)  # every worker gets at least one user
+        code = run_locust(url, cfg, out, users, a.run_time, a.locust_args, a.quiet, a.key, a.workers)
         t_load_end = time.time()
         idle = scrape.wait_idle(url, a.idle_timeout, api_key=a.key)
         samples = scraper.stop()
@@ -227,7 +233,8 @@ def run_scenario(a) -> int:
                         None if a.slo_gap_p99_ms is None else a.slo_gap_p99_ms / 1e3)
         meta = {"scenario": a.scenario, "description": DESCRIPTIONS.get(a.scenario, ""), "url": url,
                 "started": started, "config": cfg.as_dict(), "planned_requests": len(specs), "users": users,
-                "run_time_bound_s": a.run_time, "locust_exit_code": code}
+                "run_time_bound_s": a.run_time, "locust_exit_code": code, "locust_workers": a.workers,
+                "load_s": round(t_load_end - t_load, 2)}
         checks = checks_for(a.scenario, records, idle, a)
         if mem is not None:
             checks["RSS flat after warm-up"] = {k: v for k, v in mem.items() if k != "series"}

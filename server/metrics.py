@@ -1,4 +1,5 @@
-"""GET /metrics: a Prometheus collector that reads `engine.metrics()` at each scrape."""
+"""GET /metrics: a Prometheus collector that reads `engine.metrics()`, the snapshot the engine
+thread published at the end of its last iteration, at each scrape."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ GAUGES = {
     "kv_blocks_reserved": "KV blocks reserved by open requests (prompt plus the whole max_tokens).",
     "kv_blocks_in_use": "KV blocks holding KV written for running requests (a subset of reserved).",
     "kv_blocks_cached": "KV blocks held by no request that still hold a registered prefix (evictable).",
+    "kv_blocks_free": "KV blocks holding nothing: reserved + cached + free = total.",
     "prefix_registered_tokens": "Prompt tokens registered in the prefix cache so far.",
     "prefix_skipped_releases": "Releases that registered nothing (recurrent-state models).",
     "prefix_cache_hit_rate": "Prompt tokens served from the prefix cache / prompt tokens looked up.",

@@ -63,11 +63,14 @@ def staggered_fill(client: Client, probes: Probes, first: int, gap: int, stagger
 
 @clause("loop/admission/1")
 def test_waiting_requests_open_oldest_first(client: Client, probes: Probes, idle):
-    rows, fillers = staggered_fill(client, probes, first=160, gap=24)
+    gap = 24
+    rows, fillers = staggered_fill(client, probes, first=160, gap=gap)
     waiters = []
     try:
         for i in range(3):
-            waiters.append(RawStream.open(client, unique_text(16), **probes.long_params(24)))
+            # Each waiter outlives the staggered fillers, so every step frees one row at most:
+            # rows freed in one step open their waiters together, in no order a client can see.
+            waiters.append(RawStream.open(client, unique_text(16), **probes.long_params(3 * gap + 8)))
             client.wait_until(lambda s, n=i + 1: s.get("engine_requests_waiting", 0) >= n, 10,
                               f"{i + 1} waiting requests")
         mux = Mux(fillers + waiters)

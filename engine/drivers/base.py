@@ -219,7 +219,7 @@ class Driver(ABC):
         """Builds every entry a step will use (weights, caches, kernels)."""
 
     @abstractmethod
-    def _run(self, step: StepArrays, batch: list[RowWork]) -> StepOutput:
+    def run_step(self, step: StepArrays, batch: list[RowWork]) -> StepOutput:
         """Runs the step. Returns every logit index's logits, or (a device that picks) the
         ids of the rows `step.picks` marks and the other rows' logits."""
 
@@ -243,10 +243,10 @@ class Driver(ABC):
         armed, self._armed_failure = self._armed_failure, None
         if armed == "refuse":
             raise StepRefused("injected: the driver refused the step")
-        self._check(batch)
+        self.check_batch(batch)
         arrays = step_arrays(batch, self.plan.block_size, self.tables, self.device_picks)
         try:
-            out = self._run(arrays, batch)
+            out = self.run_step(arrays, batch)
         except (StepRefused, DeviceFault):
             raise
         except self.refused_errors as e:
@@ -263,7 +263,7 @@ class Driver(ABC):
             raise ValueError(f"unknown driver failure {kind!r}")
         self._armed_failure = kind
 
-    def _check(self, batch: list[RowWork]) -> None:
+    def check_batch(self, batch: list[RowWork]) -> None:
         plan = self.plan
         total = sum(len(w.tokens) for w in batch)
         if len(batch) > plan.rows or total > plan.max_step_tokens:

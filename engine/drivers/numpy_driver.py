@@ -86,7 +86,7 @@ class NumpyDriver(Driver):
             self.kv.append(layer)
         self._built()
 
-    def _run(self, step: StepArrays, batch: list[RowWork]) -> StepOutput:
+    def run_step(self, step: StepArrays, batch: list[RowWork]) -> StepOutput:
         if self.config.family == "mamba":
             logits = mamba.forward(np, self.config, self.model, step)
             return StepOutput(np.ascontiguousarray(logits, dtype=np.float32))

@@ -346,7 +346,7 @@ class WgpuDriver(Driver):
 
     # ---- the step -----------------------------------------------------------------------
 
-    def _run(self, step: StepArrays, batch: list[RowWork]) -> StepOutput:
+    def run_step(self, step: StepArrays, batch: list[RowWork]) -> StepOutput:
         t, n_logits, tmax = step.num_tokens, len(step.logit_idx), self.tmax
         ix = self.index_host
         ix[0:t] = step.tokens

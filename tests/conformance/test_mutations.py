@@ -97,3 +97,24 @@ def test_a_server_that_refuses_logprobs_is_not_supported_for_them(tmp_path):
     others = {cid: c["outcome"] for cid, c in clauses.items() if cid not in refused}
     assert set(others.values()) == {"passed"} and any(cid.startswith(SAMPLING) for cid in others), others
     assert code == 0, tail
+
+
+def test_a_variant_of_a_renamed_seam_stops_the_registry():
+    """A variant overriding a hook the reference no longer has would run as the reference does."""
+    from poot_mutants.registry import check_overrides, overrides_nothing_missing
+
+    from poot.engine import Engine
+
+    class Stale(Engine):
+        def _check_fits(self, prompt, params, n=1):  # the seam's old name
+            raise AssertionError("never called")
+
+    class Added(Engine):
+        adds = ("cancel_everything",)
+
+        def cancel_everything(self):
+            pass
+
+    assert overrides_nothing_missing(Stale) == ["Stale._check_fits"]
+    assert overrides_nothing_missing(Added) == []
+    check_overrides()  # every registered variant overrides what the reference has

@@ -19,14 +19,14 @@ BS = 16
 
 
 def planned_engine(num_blocks: int = 8, rows: int = 4, token_budget: int = 64, block_size: int = BS,
-                   positions: int = 128, seed: int = 0, **parts) -> Engine:
+                   positions: int = 128, seed: int = 0, engine_class: type[Engine] = Engine, **parts) -> Engine:
     """An engine on an explicit plan: a small pool and budget put eviction and chunked
     prefill within reach of short prompts."""
     model = synthetic_llama(seed)
     plan = Plan("numpy", rows, positions, block_size, num_blocks, token_budget, model.name)
     driver = NumpyDriver()
     driver.prepare(plan, model)
-    return Engine(model, driver, plan, None, **parts)
+    return engine_class(model, driver, plan, None, **parts)
 
 
 def tokens(n: int, salt: int = 0) -> list[int]:

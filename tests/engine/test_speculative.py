@@ -31,16 +31,16 @@ class CheckingDriver(NumpyDriver):
         self.engine: Engine | None = None
         self.max_feed = 0
 
-    def _run(self, step, batch):
+    def run_step(self, step, batch):
         if self.engine is None:  # the warm-up steps of preparing, before any request exists
-            return super()._run(step, batch)
+            return super().run_step(step, batch)
         reserved = {q.row: q.num_reserved_tokens for q in self.engine.scheduler.running}
         for w in batch:
             end = w.start + len(w.tokens)
             assert end <= len(w.block_table) * self.plan.block_size
             assert end <= reserved[w.row], (w.row, w.start, len(w.tokens), reserved[w.row])
             self.max_feed = max(self.max_feed, len(w.tokens) if w.num_logits == len(w.tokens) else 0)
-        return super()._run(step, batch)
+        return super().run_step(step, batch)
 
 
 def engine_with(policy: DraftPolicy | None, seed: int = 0) -> Engine:

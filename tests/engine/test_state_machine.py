@@ -112,7 +112,7 @@ class LoopMachine(RuleBasedStateMachine):
                 self.engine.iteration()
         except DeviceFault as e:
             held = ({q.request_id for q in s.running}, self.engine.pool.num_free)
-            self.engine._die("fault", str(e))  # as the engine thread does
+            self.engine.die("fault", str(e))  # as the engine thread does
             self.dead_held = held
             return
         self.engine.driver._armed_failure = None  # no step ran: nothing to fault

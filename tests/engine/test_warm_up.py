@@ -15,9 +15,9 @@ class RecordingDriver(NumpyDriver):
         super().__init__(*a, **kw)
         self.shapes: list[list[int]] = []
 
-    def _run(self, step, batch):
+    def run_step(self, step, batch):
         self.shapes.append([len(w.tokens) for w in batch])
-        return super()._run(step, batch)
+        return super().run_step(step, batch)
 
 
 def test_warm_up_steps_every_kind_the_loop_sends_and_leaves_no_row_open():

@@ -35,8 +35,8 @@ class ClampMaxTokens(Engine):
 class RefuseWhenFull(Engine):
     """A request that finds every row taken is refused instead of queued."""
 
-    def _check_fits(self, prompt, params, n=1):
-        super()._check_fits(prompt, params, n)
+    def check_fits(self, prompt, params, n=1):
+        super().check_fits(prompt, params, n)
         if not self.scheduler.free_rows:
             raise InvalidRequest("no free row now", "max_tokens")
 
@@ -44,7 +44,7 @@ class RefuseWhenFull(Engine):
 class KeepCancelledWaiting(Engine):
     """Phase 2 looks at running requests only: a queued request whose owner left stays queued."""
 
-    def _release_cancelled(self):
+    def release_cancelled(self):
         for seq in [q for q in self.scheduler.running if q.handle.cancelled.is_set()]:
             self._finish(seq, "cancelled")
 
@@ -57,43 +57,43 @@ class PreemptYoungest(Engine):
 
     waited = 0
 
-    def _open_waiting(self):
+    def open_waiting(self):
         s = self.scheduler
         self.waited = self.waited + 1 if s.waiting and not s.free_rows else 0
         if self.waited > PREEMPT_AFTER and s.running:
             self.waited = 0
             self._finish(max(s.running, key=lambda q: q.arrival), "error", "preempted for a waiting request")
-        super()._open_waiting()
+        super().open_waiting()
 
 
 class RefuseKillsEngine(Engine):
     """A refused step is treated as a fault: the engine dies."""
 
-    def _refused(self, scheduled, e):
+    def on_step_refused(self, scheduled, e):
         raise DeviceFault(str(e)) from e
 
 
 class RefuseFailsWaiting(Engine):
     """A refused step also fails every waiting request."""
 
-    def _refused(self, scheduled, e):
-        super()._refused(scheduled, e)
+    def on_step_refused(self, scheduled, e):
+        super().on_step_refused(scheduled, e)
         for seq in list(self.scheduler.waiting):
             self._finish(seq, "error", f"the driver refused the step: {e}")
 
 
 class OffByOneMaxTokens(Engine):
-    def _reached_max_tokens(self, seq):
+    def reached_max_tokens(self, seq):
         return len(seq.output) > seq.params.max_tokens
 
 
 class AcceptAllDrafts(Engine):
-    def _accepts(self, draft, token):
+    def accepts_draft(self, draft, token):
         return True
 
 
 class ContinueAfterEos(Engine):
-    def _ends_on_eos(self, seq, token):
+    def ends_on_eos(self, seq, token):
         return False
 
 
@@ -101,10 +101,10 @@ class DieFreesBlocks(Engine):
     """A fault releases every running request's row and blocks, though the device state
     they describe can no longer be trusted."""
 
-    def _die(self, cause, reason):
+    def die(self, cause, reason):
         for seq in list(self.scheduler.running):
             self.scheduler.release(seq)
-        super()._die(cause, reason)
+        super().die(cause, reason)
 
 
 class CrashAtStart(Engine):
@@ -115,6 +115,8 @@ class CrashAtStart(Engine):
 
 class CancelAllOnDrain(Engine):
     """Gives the drain defect a way to cut every request off (see http_parts.CancelOnDrain)."""
+
+    adds = ("cancel_all",)
 
     def cancel_all(self) -> None:
         with self._lock:
@@ -173,10 +175,12 @@ class ReservePromptOnly(Scheduler):
     def blocks_needed(self, seq):
         return self.plan.blocks_for(len(seq.prompt) + 1)
 
-    def decoding_rows(self):
-        return [q for q in super().decoding_rows() if self._grow(q)]
+    adds = ("grow_table",)
 
-    def _grow(self, seq: Sequence) -> bool:
+    def decoding_rows(self):
+        return [q for q in super().decoding_rows() if self.grow_table(q)]
+
+    def grow_table(self, seq: Sequence) -> bool:
         if seq.num_computed < len(seq.block_table) * self.plan.block_size:
             return True
         if not self.pool.can_allocate(1):
@@ -258,7 +262,7 @@ class NoPrefixReuse(PrefixCache):
 
 
 class NoPrefixRegistration(PrefixCache):
-    def _register(self, prompt, blocks):
+    def register_prefix(self, prompt, blocks):
         return 0
 
 
@@ -307,7 +311,7 @@ class KeepStopString(StopChecker):
 class ReleaseStopPrefix(StopChecker):
     """Text that could still become a stop string is released at once."""
 
-    def _held_back(self):
+    def held_back(self):
         return len(self.text) - len(self.text.rstrip("\ufffd"))
 
 
@@ -317,11 +321,11 @@ class ReleaseStopPrefix(StopChecker):
 class RecompileOnBatchChange(NumpyDriver):
     last_rows = None
 
-    def _run(self, step, batch):
+    def run_step(self, step, batch):
         if step.num_rows != self.last_rows:
             self._built()
         self.last_rows = step.num_rows
-        return super()._run(step, batch)
+        return super().run_step(step, batch)
 
 
 class SharedPosition(NumpyDriver):
@@ -353,7 +357,7 @@ class LaxStepCheck(NumpyDriver):
     """Runs steps larger than the plan's budget instead of refusing them (the budget
     defects' steps would be refused otherwise, which hides them)."""
 
-    def _check(self, batch):
+    def check_batch(self, batch):
         pass
 
 
@@ -372,8 +376,8 @@ class BatchDependentPrecision(NumpyDriver):
     ties then break differently, so a prompt's greedy output depends on what it was batched
     with. (bfloat16's 8 bits flip too few of the tiny model's choices to be seen reliably.)"""
 
-    def _run(self, step, batch):
-        out = super()._run(step, batch)
+    def run_step(self, step, batch):
+        out = super().run_step(step, batch)
         if step.num_rows > 1:
             bits = out.logits.view(np.uint32)
             bits &= np.uint32(0xFFF00000)

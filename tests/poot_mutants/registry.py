@@ -289,3 +289,26 @@ REFUSES_LOGPROBS = M("refuses_logprobs", "api/logprobs/1", "logprobs and echo ar
 BY_NAME = {m.name: m for m in (*MUTANTS, CRASH_AT_START, REFUSES_LOGPROBS)}
 PARTS = ("engine", "scheduler", "prefix_cache", "stop_checker", "random_stream", "driver", "state", "middleware",
          "parser", "key_guard")
+
+
+def overrides_nothing_missing(part) -> list[str]:
+    """The methods a variant class defines that its reference base lacks: a hook renamed in the
+    reference would leave the variant's copy uncalled, a variant quietly as good as the
+    reference. Names a variant adds on purpose are listed in its `adds`."""
+    if not isinstance(part, type):
+        return []
+    base = part.__mro__[1:]
+    adds = set(getattr(part, "adds", ()))
+    return [f"{part.__name__}.{name}" for name, value in vars(part).items()
+            if callable(value) or isinstance(value, classmethod | staticmethod | property)
+            if not name.startswith("__") and name not in adds and not any(name in vars(b) for b in base)]
+
+
+def check_overrides() -> None:
+    missing = sorted({m for mutant in BY_NAME.values() for part in mutant.parts.values()
+                      for m in overrides_nothing_missing(part)})
+    if missing:
+        raise ImportError(f"variants override what the reference server no longer has: {', '.join(missing)}")
+
+
+check_overrides()
