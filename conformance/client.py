@@ -89,7 +89,6 @@ class Client:
         self._model = model
         self.api_key = api_key if api_key is not None else api_key_from_env()
         self.http = httpx.Client(base_url=self.base_url, timeout=timeout, headers=auth_headers(self.api_key))
-        self._metrics_ok: bool | None = None
         self.facts = facts  # poot.conformance.facts.Facts of this server, when discovered
 
     def __repr__(self) -> str:  # never shows the key
@@ -219,7 +218,6 @@ class Client:
         """A scrape of /metrics; NotSupported when the server has none."""
         r = self.get("/metrics")
         if r.status_code == 404:
-            self._metrics_ok = False
             raise NotSupported("GET /metrics answered 404")
         if r.status_code != 200:
             raise ServerError(f"GET /metrics answered {r.status_code}")

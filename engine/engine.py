@@ -133,16 +133,8 @@ class Engine:
 
     def submit(self, prompt: str | list[int], params: SamplingParams,
                sink: Callable[[Event], None]) -> RequestHandle:
-        params.validate()
-        handle = RequestHandle(next(self._ids), sink)
-        job = _Job(handle, prompt, params)
-        with self._lock:  # the same lock die takes: a job is either failed by it or refused here
-            if self._health.status != "ok":
-                raise EngineDead(self._health.reason or "the engine is not serving")
-            self._in_flight[handle.request_id] = job
-        self._jobs.put(job)
-        self._wake.set()
-        return handle
+        """A request of one choice."""
+        return self.submit_choices(prompt, params, [sink])[0]
 
     def submit_choices(self, prompt: str | list[int], params: SamplingParams,
                        sinks: list[Callable[[Event], None]]) -> list[RequestHandle]:

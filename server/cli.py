@@ -9,7 +9,6 @@ the process exits 0. A second signal stops waiting.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import logging
 import signal
 import sys
@@ -71,9 +70,6 @@ def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None =
     from . import loading
     if not 0 <= args.step_delay <= MAX_STEP_DELAY_S:  # also refuses nan
         return fail(f"--step-delay must be between 0 and {MAX_STEP_DELAY_S} seconds")
-    if args.draft != "none" and importlib.util.find_spec("poot.engine.speculative") is None:
-        return fail(f"--draft {args.draft}: speculative decoding is not in this build "
-                    "(the module poot.engine.speculative is missing)")
     from .auth import ApiKeyError, RequireKey, read_key
 
     try:

@@ -1,24 +1,28 @@
 """POST /v1/completions and /v1/chat/completions: a request into the engine, events back out.
 
-The engine calls each request's sink on its own thread; the sink hands every event to the
-event loop with `call_soon_threadsafe` into the request's asyncio.Queue, so the handlers read
-events in order without blocking the loop.
+Every request, plain or with n, best_of, echo or logprobs, takes one path: the engine runs one
+sequence per choice (`Engine.submit_choices`: admitted together, the prompt prefilled once),
+and calls each choice's sink on its own thread; the sink hands every event to the event loop
+with `call_soon_threadsafe` into the choice's asyncio.Queue, so the handlers read events in
+order without blocking the loop. server/answer.py shapes what they read.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from poot.engine import EngineDead, InvalidRequest
-from poot.engine.events import Accepted, Finished, Rejected, Tokens
+from poot.engine.events import Finished, PromptLogprobs, Rejected, Tokens
 
-from . import choices, loading, openai
+from . import loading, openai
+from .answer import Answer, ChoiceOutput, usage
 from .event_stream import EventStream
-from .openai import DONE, ApiError, ChunkMaker
+from .openai import DONE, ApiError
 from .state import ServerState
 
 DEAD_POLL_S = 1.0  # how often a waiting handler re-checks that the engine still lives
@@ -38,39 +42,40 @@ async def read_body(request: Request) -> bytes:
 
 
 async def generate(state: ServerState, request: Request, chat: bool) -> Response:
+    """One path for every generation request: a plain one is a request of one choice."""
     engine = state.serving_engine()
-    body = openai.parse_body(await read_body(request))
-    parsed = parse(state, engine, body, chat)
-    if not parsed.choices.plain:  # n, best_of, echo or logprobs: one sequence per choice
-        return await choices.serve(state, request, parsed, engine)
+    parsed = parse(state, engine, openai.parse_body(await read_body(request)), chat)
+    params = parsed.params
+    if parsed.choices.best_of > parsed.choices.n and params.logprobs is None:
+        params = dataclasses.replace(params, logprobs=0)  # best_of ranks by summed logprob
     loop = asyncio.get_running_loop()
-    queue: asyncio.Queue = asyncio.Queue()
-
-    def sink(event) -> None:  # engine thread
-        loop.call_soon_threadsafe(queue.put_nowait, event)
-
+    queues: list[asyncio.Queue] = [asyncio.Queue() for _ in range(parsed.choices.count)]
+    # The engine calls the sinks on its own thread; each hands its event to the event loop.
+    sinks = [lambda ev, q=q: loop.call_soon_threadsafe(q.put_nowait, ev) for q in queues]
     try:
-        handle = engine.submit(parsed.prompt, parsed.params, sink)
+        handles = engine.submit_choices(parsed.prompt, params, sinks)
     except InvalidRequest as e:
         raise openai.bad(str(e), e.param) from None
     except EngineDead as e:
         raise ApiError(503, f"the engine is not serving: {e}", code="engine_dead") from None
+
+    def cancel_all() -> None:  # a client that hangs up cancels every choice
+        for h in handles:
+            h.cancel()
+
     try:
-        # Headers wait for the engine's verdict, so a rejection is a 400 even when streaming.
-        first = await next_event(queue, engine)
-        if isinstance(first, Rejected):
-            raise openai.bad(first.message, first.param)
-        if isinstance(first, Finished):
-            raise failure(engine, first)
-        assert isinstance(first, Accepted), first
-        rid = openai.new_id(chat)
-        name = state.model.name
+        for q in queues:  # headers wait for the engine's verdict, so a rejection is a 400 even when streaming
+            first = await next_event(q, engine)
+            if isinstance(first, Rejected):
+                raise openai.bad(first.message, first.param)
+            if isinstance(first, Finished):
+                raise failure(engine, first)
+        answer = Answer(parsed, state.model, openai.new_id(parsed.chat), state.model.name)
         if parsed.stream:
-            chunks = ChunkMaker(parsed, rid, name)
-            return EventStream(stream(parsed, queue, engine, chunks), handle.cancel)
-        return await collect(request, parsed, handle, queue, engine, rid, name)
+            return EventStream(stream(answer, queues, engine), cancel_all)
+        return await collect(request, answer, queues, engine, cancel_all)
     except BaseException:
-        handle.cancel()
+        cancel_all()
         raise
 
 
@@ -82,8 +87,8 @@ def parse(state: ServerState, engine, body: dict, chat: bool) -> openai.Parsed:
         prompt = loading.render_chat(state.model, messages)
     except InvalidRequest as e:
         raise openai.bad(str(e), e.param or "messages") from None
-    room = engine.plan.positions - len(state.model.encode_prompt(prompt))
-    return openai.parse_chat(body, state.model_names, prompt, max(1, room))
+    ids = state.model.encode_prompt(prompt)  # once: the engine takes the ids as they are
+    return openai.parse_chat(body, state.model_names, ids, max(1, engine.plan.positions - len(ids)))
 
 
 async def next_event(queue: asyncio.Queue, engine):
@@ -99,15 +104,6 @@ async def next_event(queue: asyncio.Queue, engine):
                 return Finished("error", 0, 0, 0, f"engine {h.cause}: {h.reason}")
 
 
-async def watch_disconnect(receive, handle) -> None:
-    """Cancels the request as soon as its client hangs up (the body has been read already)."""
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            handle.cancel()
-            return
-
-
 def failure(engine, ev: Finished) -> ApiError:
     """The error for a request that ended with reason error or cancelled."""
     if ev.reason == "cancelled":
@@ -117,47 +113,78 @@ def failure(engine, ev: Finished) -> ApiError:
     return ApiError(500, f"the request failed: {ev.error}", code="step_failed")
 
 
-def usage_of(ev: Finished) -> dict:
-    return openai.usage(ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens)
+async def collect(request, answer: Answer, queues, engine, cancel_all) -> Response:
+    """A whole answer: every choice's events until its Finished, while watching for a hang-up."""
+    async def hang_up() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        cancel_all()
 
-
-async def collect(request, parsed, handle, queue, engine, rid, name) -> Response:
-    """A non-streaming answer: every event until Finished, while watching for a hang-up."""
-    watcher = asyncio.create_task(watch_disconnect(request.receive, handle))
-    parts = []
-    try:
+    async def drain(out: ChoiceOutput, q: asyncio.Queue) -> None:
+        if answer.echo_first(out):
+            out.text.append(answer.prompt_text)
         while True:
-            ev = await next_event(queue, engine)
-            if isinstance(ev, Tokens):
-                parts.append(ev.text)
+            ev = await next_event(q, engine)
+            if isinstance(ev, PromptLogprobs):
+                answer.on_prompt(out, ev)
+            elif isinstance(ev, Tokens):
+                answer.on_tokens(out, ev)
             elif isinstance(ev, Finished):
-                break
+                out.end = ev
+                return
+
+    watcher = asyncio.create_task(hang_up())
+    try:
+        await asyncio.gather(*(drain(o, q) for o, q in zip(answer.outputs, queues, strict=True)))
     finally:
         watcher.cancel()
-    if ev.reason not in ("stop", "length"):
-        raise failure(engine, ev)
-    parts.append(ev.text)
-    return JSONResponse(openai.full_response(parsed, rid, name, "".join(parts), ev.reason, usage_of(ev),
-                                             openai.timings(ev.queued_s, ev.prefill_s)))
+    for o in answer.outputs:
+        if o.end.reason not in ("stop", "length"):
+            raise failure(engine, o.end)
+    return JSONResponse(answer.full(usage(answer.outputs)))
 
 
-async def stream(parsed, queue, engine, chunks: ChunkMaker):
-    """The SSE events of a stream: one per committed step, then the final chunk and [DONE].
-    A step whose text is held back (an incomplete character, a possible stop string, a
-    control token with no text) still gets its chunk, with empty content: the stream shows
-    every step's token as it is committed, so a client can tell a stall from held text."""
-    if parsed.chat:
-        yield chunks.role()
-    while True:
-        ev = await next_event(queue, engine)
-        if isinstance(ev, Tokens):
-            yield chunks.text(ev.text)
-        elif isinstance(ev, Finished):
-            if ev.reason in ("stop", "length"):
-                yield chunks.text(ev.text, ev.reason)
-                if parsed.include_usage:
-                    yield chunks.usage(usage_of(ev), openai.timings(ev.queued_s, ev.prefill_s))
-            else:
-                yield openai.sse(failure(engine, ev).body())
-            yield DONE
-            return
+async def stream(answer: Answer, queues, engine):
+    """The SSE events of a stream: one chunk per committed step of each choice, then each
+    choice's final chunk, the usage chunk when asked for, and [DONE]. A step whose text is
+    held back (an incomplete character, a possible stop string, a control token with no
+    text) still gets its chunk, with empty content, so a client can tell a stall from held text."""
+    merged: asyncio.Queue = asyncio.Queue()
+
+    async def forward(i: int, q: asyncio.Queue) -> None:
+        while True:
+            ev = await next_event(q, engine)
+            merged.put_nowait((i, ev))
+            if isinstance(ev, Finished):
+                return
+
+    tasks = [asyncio.create_task(forward(i, q)) for i, q in enumerate(queues)]
+    try:
+        for out in answer.outputs:
+            if answer.p.chat:
+                yield answer.choice_chunk(out.index, "", None, role=True)
+            elif answer.echo_first(out):
+                out.text.append(answer.prompt_text)
+                yield answer.choice_chunk(out.index, answer.prompt_text, None)
+        pending = len(queues)
+        while pending:
+            i, ev = await merged.get()
+            out = answer.outputs[i]
+            if isinstance(ev, PromptLogprobs):
+                yield answer.choice_chunk(i, *answer.on_prompt(out, ev))
+            elif isinstance(ev, Tokens):
+                yield answer.choice_chunk(i, *answer.on_tokens(out, ev))
+            elif isinstance(ev, Finished):
+                pending -= 1
+                out.end = ev
+                if ev.reason not in ("stop", "length"):
+                    yield openai.sse(failure(engine, ev).body())
+                    yield DONE
+                    return
+                yield answer.choice_chunk(i, ev.text, None, ev.reason)
+        if answer.p.include_usage:
+            yield answer.usage_chunk()
+        yield DONE
+    finally:
+        for t in tasks:
+            t.cancel()

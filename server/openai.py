@@ -7,7 +7,6 @@ is submitted. SamplingParams.validate does the range and type checks of the samp
 from __future__ import annotations
 
 import json
-import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -107,7 +106,7 @@ def _common(body: dict, *, chat: bool, default_max_tokens: int | None, models: t
         raise bad("stop must be a string or a list of strings", "stop")
     try:
         extra, choices = sampling_fields.parse(body, chat=chat, stream=stream, max_tokens=max_tokens)
-    except sampling_fields.FieldError as e:
+    except InvalidRequest as e:
         raise bad(str(e), e.param) from None
     top_k = body.get("top_k", 0)
     if top_k is None or (_is_int(top_k) and top_k == -1):  # -1: "no cut" in other servers' dialect
@@ -174,7 +173,7 @@ def parse_messages(body: dict) -> list[dict]:
     return out
 
 
-def parse_chat(body: dict, models: tuple[str, ...], prompt: str, default_max_tokens: int) -> Parsed:
+def parse_chat(body: dict, models: tuple[str, ...], prompt: list[int], default_max_tokens: int) -> Parsed:
     common = _common(body, chat=True, default_max_tokens=default_max_tokens, models=models)
     return Parsed(True, prompt, **common)
 
@@ -197,58 +196,6 @@ def timings(queued_s: float | None, prefill_s: float | None) -> dict:
     def ms(s):
         return None if s is None else round(s * 1e3, 3)
     return {"queued_ms": ms(queued_s), "prefill_ms": ms(prefill_s)}
-
-
-def full_response(p: Parsed, rid: str, model: str, text: str, finish_reason: str, use: dict,
-                  times: dict | None = None) -> dict:
-    created = int(time.time())
-    if p.chat:
-        out = {"id": rid, "object": "chat.completion", "created": created, "model": model,
-               "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                            "logprobs": None, "finish_reason": finish_reason}],
-               "usage": use}
-    else:
-        out = {"id": rid, "object": "text_completion", "created": created, "model": model,
-               "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
-               "usage": use}
-    if times is not None:
-        out["timings"] = times
-    return out
-
-
-class ChunkMaker:
-    """Builds the SSE events of one stream; every chunk shares one id and created time."""
-
-    def __init__(self, p: Parsed, rid: str, model: str):
-        self.p, self.rid, self.model = p, rid, model
-        self.created = int(time.time())
-
-    def _chunk(self, choices: list, usage_value=None, with_usage: bool = False) -> str:
-        obj = {"id": self.rid, "object": "chat.completion.chunk" if self.p.chat else "text_completion",
-               "created": self.created, "model": self.model, "choices": choices}
-        if self.p.include_usage or with_usage:
-            obj["usage"] = usage_value
-        return sse(obj)
-
-    def role(self) -> str:
-        return self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
-                             "logprobs": None, "finish_reason": None}])
-
-    def text(self, text: str, finish_reason: str | None = None) -> str:
-        if self.p.chat:
-            # Only the final chunk has an empty delta; a step's chunk always says its content.
-            delta = {"content": text} if text or finish_reason is None else {}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        return self._chunk([choice])
-
-    def usage(self, use: dict, times: dict | None = None) -> str:
-        obj = {"id": self.rid, "object": "chat.completion.chunk" if self.p.chat else "text_completion",
-               "created": self.created, "model": self.model, "choices": [], "usage": use}
-        if times is not None:
-            obj["timings"] = times
-        return sse(obj)
 
 
 def sse(obj) -> str:

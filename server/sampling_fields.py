@@ -8,16 +8,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from poot.engine.params import InvalidRequest
+
 MAX_CHOICES = 16
 MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API's limit
 MAX_CHAT_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300
 
-
-class FieldError(ValueError):
-    def __init__(self, message: str, param: str):
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass(slots=True, frozen=True)
@@ -48,7 +45,7 @@ def _number(body: dict, name: str, default: float) -> float:
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, int | float):
-        raise FieldError(f"{name} must be a number", name)
+        raise InvalidRequest(f"{name} must be a number", name)
     return v
 
 
@@ -57,7 +54,7 @@ def _count(body: dict, name: str, default: int, high: int) -> int:
     if v is None:
         return default
     if not _is_int(v) or not 1 <= v <= high:
-        raise FieldError(f"{name} must be an integer in [1, {high}]; got {v!r}", name)
+        raise InvalidRequest(f"{name} must be an integer in [1, {high}]; got {v!r}", name)
     return v
 
 
@@ -66,17 +63,17 @@ def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
     if v is None:
         return ()
     if not isinstance(v, dict):
-        raise FieldError("logit_bias must be an object mapping token ids to biases", "logit_bias")
+        raise InvalidRequest("logit_bias must be an object mapping token ids to biases", "logit_bias")
     if len(v) > MAX_LOGIT_BIAS:
-        raise FieldError(f"logit_bias holds at most {MAX_LOGIT_BIAS} tokens", "logit_bias")
+        raise InvalidRequest(f"logit_bias holds at most {MAX_LOGIT_BIAS} tokens", "logit_bias")
     out = []
     for key, bias in v.items():
         try:
             token = int(key)
         except (TypeError, ValueError):
-            raise FieldError(f"logit_bias key {key!r} is not a token id", "logit_bias") from None
+            raise InvalidRequest(f"logit_bias key {key!r} is not a token id", "logit_bias") from None
         if isinstance(bias, bool) or not isinstance(bias, int | float):
-            raise FieldError(f"logit_bias[{key!r}] must be a number", "logit_bias")
+            raise InvalidRequest(f"logit_bias[{key!r}] must be a number", "logit_bias")
         out.append((token, float(bias)))
     return tuple(out)
 
@@ -86,7 +83,7 @@ def _token_ids(body: dict, name: str) -> tuple[int, ...]:
     if v is None:
         return ()
     if not isinstance(v, list) or not all(_is_int(t) for t in v):
-        raise FieldError(f"{name} must be a list of token ids", name)
+        raise InvalidRequest(f"{name} must be a list of token ids", name)
     return tuple(v)
 
 
@@ -96,33 +93,33 @@ def parse(body: dict, *, chat: bool, stream: bool, max_tokens) -> tuple[dict, Ch
     best_of = 1
     if chat:
         if body.get("best_of") not in (None, 1):
-            raise FieldError("best_of is a completions parameter; chat answers n choices", "best_of")
+            raise InvalidRequest("best_of is a completions parameter; chat answers n choices", "best_of")
         logprobs = body.get("logprobs")
         if logprobs is not None and not isinstance(logprobs, bool):
-            raise FieldError("logprobs must be a boolean in chat completions", "logprobs")
+            raise InvalidRequest("logprobs must be a boolean in chat completions", "logprobs")
         top = body.get("top_logprobs")
         if top is not None and (not _is_int(top) or not 0 <= top <= MAX_CHAT_TOP_LOGPROBS):
-            raise FieldError(f"top_logprobs must be an integer in [0, {MAX_CHAT_TOP_LOGPROBS}]; got {top!r}",
+            raise InvalidRequest(f"top_logprobs must be an integer in [0, {MAX_CHAT_TOP_LOGPROBS}]; got {top!r}",
                              "top_logprobs")
         if top and not logprobs:
-            raise FieldError("top_logprobs needs logprobs set to true", "top_logprobs")
+            raise InvalidRequest("top_logprobs needs logprobs set to true", "top_logprobs")
         k = (top or 0) if logprobs else None
         echo = False
     else:
         best_of = _count(body, "best_of", n, MAX_CHOICES)
         if best_of < n:
-            raise FieldError(f"best_of ({best_of}) must be at least n ({n})", "best_of")
+            raise InvalidRequest(f"best_of ({best_of}) must be at least n ({n})", "best_of")
         if best_of > n and stream:
-            raise FieldError("best_of above n cannot be streamed: the best are known only at the end", "best_of")
+            raise InvalidRequest("best_of above n cannot be streamed: the best are known only at the end", "best_of")
         k = body.get("logprobs")
         if k is not None and (not _is_int(k) or not 0 <= k <= MAX_COMPLETION_LOGPROBS):
-            raise FieldError(f"logprobs must be an integer in [0, {MAX_COMPLETION_LOGPROBS}]; got {k!r}", "logprobs")
+            raise InvalidRequest(f"logprobs must be an integer in [0, {MAX_COMPLETION_LOGPROBS}]; got {k!r}", "logprobs")
         echo = body.get("echo")
         if echo is not None and not isinstance(echo, bool):
-            raise FieldError("echo must be a boolean", "echo")
+            raise InvalidRequest("echo must be a boolean", "echo")
         echo = bool(echo)
         if body.get("suffix"):
-            raise FieldError("suffix is not supported: the served model has no fill-in-the-middle tokens", "suffix")
+            raise InvalidRequest("suffix is not supported: the served model has no fill-in-the-middle tokens", "suffix")
     min_tokens = body.get("min_tokens", 0)
     if min_tokens is None:
         min_tokens = 0

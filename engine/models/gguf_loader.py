@@ -20,7 +20,6 @@ rewritten; a cache that cannot be written only costs the next load its speed.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import logging
@@ -35,7 +34,8 @@ import numpy as np
 
 from .base import LlamaConfig, LoadedModel, ModelLoadError
 from .canonical import expected_shapes
-from .hf_tokenizer import GGUFVocab, HFTokenizer, tokenizer_from_gguf
+from .gguf_file import dequantize_tensor, metadata, one_line, open_reader, scalar, vocab
+from .hf_tokenizer import HFTokenizer, tokenizer_from_gguf
 
 log = logging.getLogger(__name__)
 
@@ -61,140 +61,6 @@ def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
         w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape))
 
 
-# ---- reading -------------------------------------------------------------------------------
-
-def _one_line(e: BaseException) -> str:
-    text = " ".join(str(e).split())
-    return text or type(e).__name__
-
-
-def _open_reader(path: Path):
-    """A gguf.GGUFReader for the file, or ModelLoadError naming what is wrong with it."""
-    import gguf
-
-    try:
-        size = path.stat().st_size
-    except FileNotFoundError:
-        raise ModelLoadError(f"model file not found: {path}") from None
-    except OSError as e:
-        raise ModelLoadError(f"cannot read model file {path}: {_one_line(e)}") from None
-    if not path.is_file():
-        raise ModelLoadError(f"model path is not a file: {path}")
-    if size == 0:
-        raise ModelLoadError(f"model file is empty: {path}")
-    try:
-        with open(path, "rb") as f:
-            magic = f.read(4)
-    except OSError as e:
-        raise ModelLoadError(f"cannot read model file {path}: {_one_line(e)}") from None
-    if magic != b"GGUF":
-        raise ModelLoadError(f"not a GGUF file (bad magic {magic!r}): {path}")
-    try:
-        try:
-            reader = _fast_reader_class()(str(path), "r")
-        except (TypeError, AttributeError):  # a gguf-py whose private reader API changed
-            reader = gguf.GGUFReader(str(path), "r")
-    except Exception as e:
-        # gguf-py's own message (a numpy view or index error) says nothing useful to a user.
-        log.debug("GGUFReader failed on %s: %s", path, _one_line(e))
-        detail = _one_line(e).strip("'\"")
-        if "version" in detail.lower():
-            raise ModelLoadError(f"unsupported GGUF version in {path}: {detail}") from None
-        if "duplicate" in detail.lower() or "alignment" in detail.lower():
-            raise ModelLoadError(f"corrupt GGUF file {path}: {detail}") from None
-        raise ModelLoadError(f"truncated or corrupt GGUF file {path}: the header describes more than "
-                             f"its {size} bytes hold") from None
-    if reader.byte_order != "I":
-        raise ModelLoadError(f"big-endian GGUF files are not supported: {path}")
-    for t in reader.tensors:
-        if t.data_offset + t.n_bytes > size:
-            raise ModelLoadError(f"truncated GGUF file {path}: tensor {t.name} ends past the end of the file")
-    return reader
-
-
-@functools.cache
-def _fast_reader_class():
-    import gguf
-
-    class FastReader(gguf.GGUFReader):
-        """GGUFReader that slices a plain ndarray view of its memmap: np.memmap's per-slice
-        overhead makes parsing a 50k-token vocabulary take seconds otherwise."""
-
-        def _get(self, offset, dtype, count=1, override_order=None):
-            plain = self.__dict__.get("_plain_view")
-            if plain is None:
-                plain = self._plain_view = self.data.view(np.ndarray)
-            count = int(count)
-            dt = np.dtype(dtype)
-            arr = plain[offset : offset + dt.itemsize * count].view(dt)[:count]
-            return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
-
-    return FastReader
-
-
-def _field_value(field):
-    """A metadata field as a Python value (str, int, float, bool, or a list of them)."""
-    from gguf import GGUFValueType as V
-
-    types = field.types
-    if not types:
-        return None
-    if types[0] == V.STRING:
-        return bytes(field.parts[field.data[0]]).decode("utf-8", errors="replace")
-    if types[0] == V.ARRAY:
-        if len(types) != 2:
-            return None  # nested arrays: nothing the loader reads
-        if types[1] == V.STRING:
-            return [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]
-        if not field.data:
-            return []
-        return np.concatenate([field.parts[i] for i in field.data]).tolist()
-    return field.parts[field.data[0]].tolist()[0]
-
-
-def _metadata(reader) -> dict:
-    out = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        try:
-            out[key] = _field_value(field)
-        except Exception as e:
-            raise ModelLoadError(f"corrupt GGUF metadata value {key}: {_one_line(e)}") from None
-    return out
-
-
-def dequantize_tensor(tensor) -> np.ndarray:
-    """One reader tensor as a float32 C-contiguous array of shape (rows, ..., cols), that is
-    the gguf shape reversed ([out, in] for matrices); never a view of the file."""
-    import gguf
-
-    Q = gguf.GGMLQuantizationType
-    kind = tensor.tensor_type
-    data = np.asarray(tensor.data)
-    if kind == Q.F32:
-        out = np.array(data, dtype=np.float32, copy=True)
-    elif kind in (Q.F16, Q.F64):
-        out = data.astype(np.float32)
-    else:
-        out = gguf.quants.dequantize(data, kind)
-    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-    return np.ascontiguousarray(out, dtype=np.float32).reshape(shape)
-
-
-def _scalar(meta: dict, key: str, default=None, *, required: bool = False):
-    value = meta.get(key)
-    if value is None:
-        if required:
-            raise ModelLoadError(f"missing metadata key {key}")
-        return default
-    if isinstance(value, list):
-        if value and all(v == value[0] for v in value):
-            return value[0]  # a per-layer array with one value throughout
-        raise ModelLoadError(f"metadata key {key} varies by layer, which the llama forward does not support")
-    return value
-
-
 def _f32(value) -> float:
     """A float32 metadata value as the decimal it was written from (9.99999975e-06 -> 1e-05)."""
     return float(f"{float(value):.7g}")
@@ -202,34 +68,34 @@ def _f32(value) -> float:
 
 def _config(meta: dict, arch: str, shapes: dict[str, tuple[int, ...]]) -> LlamaConfig:
     k = f"{arch}."
-    hidden = int(_scalar(meta, k + "embedding_length", required=True))
-    layers = int(_scalar(meta, k + "block_count", required=True))
-    inter = int(_scalar(meta, k + "feed_forward_length", required=True))
-    heads = int(_scalar(meta, k + "attention.head_count", required=True))
-    kv_heads = int(_scalar(meta, k + "attention.head_count_kv", heads))
+    hidden = int(scalar(meta, k + "embedding_length", required=True))
+    layers = int(scalar(meta, k + "block_count", required=True))
+    inter = int(scalar(meta, k + "feed_forward_length", required=True))
+    heads = int(scalar(meta, k + "attention.head_count", required=True))
+    kv_heads = int(scalar(meta, k + "attention.head_count_kv", heads))
     if heads <= 0 or kv_heads <= 0 or heads % kv_heads:
         raise ModelLoadError(f"bad attention head counts: {heads} heads, {kv_heads} kv heads")
-    head_dim = int(_scalar(meta, k + "attention.key_length", hidden // heads))
-    if int(_scalar(meta, k + "attention.value_length", head_dim)) != head_dim:
+    head_dim = int(scalar(meta, k + "attention.key_length", hidden // heads))
+    if int(scalar(meta, k + "attention.value_length", head_dim)) != head_dim:
         raise ModelLoadError("attention key and value head sizes differ, which the llama forward does not support")
     if head_dim % 2:
         raise ModelLoadError(f"odd attention head size {head_dim}")
-    rope_dims = int(_scalar(meta, k + "rope.dimension_count", head_dim))
+    rope_dims = int(scalar(meta, k + "rope.dimension_count", head_dim))
     if rope_dims != head_dim:
         raise ModelLoadError(f"partial rotary embedding ({rope_dims} of {head_dim} dims) is not supported")
-    scaling = _scalar(meta, k + "rope.scaling.type")
+    scaling = scalar(meta, k + "rope.scaling.type")
     if scaling not in (None, "none"):
         raise ModelLoadError(f"rope scaling {scaling!r} is not supported")
     embed = shapes.get("token_embd.weight")
     if embed is None:
         raise ModelLoadError("missing tensor token_embd.weight")
-    vocab = embed[0]
+    vocab_size = embed[0]
     return LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_layers=layers, num_heads=heads,
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=inter, num_layers=layers, num_heads=heads,
         num_kv_heads=kv_heads, head_dim=head_dim,
-        rope_theta=_f32(_scalar(meta, k + "rope.freq_base", 10000.0)),
-        rms_eps=_f32(_scalar(meta, k + "attention.layer_norm_rms_epsilon", 1e-5)),
-        max_positions=int(_scalar(meta, k + "context_length", 2048)),
+        rope_theta=_f32(scalar(meta, k + "rope.freq_base", 10000.0)),
+        rms_eps=_f32(scalar(meta, k + "attention.layer_norm_rms_epsilon", 1e-5)),
+        max_positions=int(scalar(meta, k + "context_length", 2048)),
         tie_embeddings="output.weight" not in shapes,
     )
 
@@ -243,28 +109,9 @@ def _canonical_name(name: str, num_layers: int) -> str | None:
     return None
 
 
-def _vocab(meta: dict) -> GGUFVocab:
-    g = "tokenizer.ggml."
-
-    def opt_int(key):
-        v = meta.get(g + key)
-        return None if v is None or isinstance(v, list) else int(v)
-
-    model = meta.get(g + "model")
-    if model is None:
-        raise ModelLoadError("the file has no tokenizer (tokenizer.ggml.model is missing)")
-    return GGUFVocab(
-        model=str(model), tokens=meta.get(g + "tokens") or [], token_types=meta.get(g + "token_type"),
-        scores=meta.get(g + "scores"), merges=meta.get(g + "merges"), pre=meta.get(g + "pre"),
-        bos_id=opt_int("bos_token_id"), eos_id=opt_int("eos_token_id"), eot_id=opt_int("eot_token_id"),
-        eom_id=opt_int("eom_token_id"), unk_id=opt_int("unknown_token_id"),
-        add_bos=meta.get(g + "add_bos_token"), add_space_prefix=meta.get(g + "add_space_prefix"),
-    )
-
-
 def _read_model(path: Path) -> LoadedModel:
-    reader = _open_reader(path)
-    meta = _metadata(reader)
+    reader = open_reader(path)
+    meta = metadata(reader)
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise ModelLoadError(f"unsupported architecture {arch!r} in {path.name} (poot loads: {', '.join(ARCHITECTURES)})")
@@ -296,14 +143,14 @@ def _read_model(path: Path) -> LoadedModel:
         if shapes[names[canon]] != shape:
             raise ModelLoadError(f"tensor {names[canon]} has shape {list(shapes[names[canon]])}, expected {list(shape)}")
 
-    tokenizer, special = tokenizer_from_gguf(_vocab(meta))
+    tokenizer, special = tokenizer_from_gguf(vocab(meta))
     weights = {}
     for canon in expected:
         name = names[canon]
         try:
             w = dequantize_tensor(tensors[name])
         except Exception as e:
-            raise ModelLoadError(f"cannot dequantize tensor {name} ({tensors[name].tensor_type.name}): {_one_line(e)}") from None
+            raise ModelLoadError(f"cannot dequantize tensor {name} ({tensors[name].tensor_type.name}): {one_line(e)}") from None
         if canon.endswith(".wq"):
             w = unpermute_rows(w, config.num_heads)
         elif canon.endswith(".wk"):
@@ -357,7 +204,7 @@ def _cache_read(entry: Path) -> LoadedModel | None:
                            chat_template=meta["chat_template"], special_tokens=meta["special_tokens"],
                            source=meta["source"])
     except Exception as e:  # a damaged or foreign entry: reload from the file
-        log.warning("ignoring unreadable cache entry %s: %s", entry, _one_line(e))
+        log.warning("ignoring unreadable cache entry %s: %s", entry, one_line(e))
         return None
 
 
@@ -382,7 +229,7 @@ def _cache_write(root: Path, key: str, model: LoadedModel, real: str) -> None:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
     except OSError as e:
-        log.warning("cannot write the model cache under %s: %s", root, _one_line(e))
+        log.warning("cannot write the model cache under %s: %s", root, one_line(e))
         return
     # Older entries for the same file are stale now.
     for other in root.iterdir():

@@ -192,14 +192,14 @@ def load_mamba_gguf(reader_or_path, tokenizer=None) -> LoadedModel:
     """Loads a Mamba-1 GGUF (general.architecture "mamba") from a path or an open
     gguf.GGUFReader. The tokenizer comes from the file's tokenizer.ggml.* metadata; a file
     without one and with a 258-token vocabulary gets poot's byte tokenizer (synthetic models)."""
-    from .gguf_loader import _metadata, _one_line, _open_reader, _scalar, _vocab, dequantize_tensor
+    from .gguf_file import dequantize_tensor, metadata, one_line, open_reader, scalar, vocab
 
     if isinstance(reader_or_path, str | os.PathLike):
         path = Path(reader_or_path)
-        reader = _open_reader(path)
+        reader = open_reader(path)
     else:
         reader, path = reader_or_path, Path(str(getattr(reader_or_path, "path", "model.gguf")))
-    meta = _metadata(reader)
+    meta = metadata(reader)
     if meta.get("general.architecture") != "mamba":
         raise ModelLoadError(f"not a mamba model: architecture {meta.get('general.architecture')!r}")
     if meta.get("mamba.ssm.dt_b_c_rms"):
@@ -209,14 +209,14 @@ def load_mamba_gguf(reader_or_path, tokenizer=None) -> LoadedModel:
         raise ModelLoadError("missing tensor token_embd.weight")
 
     def num(key: str, default=None) -> int:
-        return int(_scalar(meta, "mamba." + key, default, required=default is None))
+        return int(scalar(meta, "mamba." + key, default, required=default is None))
 
     hidden = num("embedding_length")
     config = MambaConfig(
         vocab_size=int(tensors["token_embd.weight"].shape[-1]), hidden_size=hidden,
         num_layers=num("block_count"), d_inner=num("ssm.inner_size", 2 * hidden),
         d_state=num("ssm.state_size"), d_conv=num("ssm.conv_kernel"), dt_rank=num("ssm.time_step_rank", 0),
-        rms_eps=float(f"{float(_scalar(meta, 'mamba.attention.layer_norm_rms_epsilon', 1e-5)):.7g}"),
+        rms_eps=float(f"{float(scalar(meta, 'mamba.attention.layer_norm_rms_epsilon', 1e-5)):.7g}"),
         max_positions=num("context_length", 2048), tie_embeddings="output.weight" not in tensors,
     )
     names = dict(_GLOBAL_TENSORS)
@@ -230,7 +230,7 @@ def load_mamba_gguf(reader_or_path, tokenizer=None) -> LoadedModel:
         try:
             weights[canon] = dequantize_tensor(t)
         except Exception as e:
-            raise ModelLoadError(f"cannot dequantize tensor {name} ({t.tensor_type.name}): {_one_line(e)}") from None
+            raise ModelLoadError(f"cannot dequantize tensor {name} ({t.tensor_type.name}): {one_line(e)}") from None
     gguf_name = {c: g for g, c in names.items()}
     for canon, shape in config.shapes().items():
         w = weights.get(canon)
@@ -246,7 +246,7 @@ def load_mamba_gguf(reader_or_path, tokenizer=None) -> LoadedModel:
         if "tokenizer.ggml.model" in meta:
             from .hf_tokenizer import tokenizer_from_gguf
 
-            tokenizer, special = tokenizer_from_gguf(_vocab(meta))
+            tokenizer, special = tokenizer_from_gguf(vocab(meta))
         elif config.vocab_size == 258:
             from .byte_tokenizer import ByteTokenizer
 

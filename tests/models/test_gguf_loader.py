@@ -270,7 +270,7 @@ def test_cache_round_trip_skips_the_reader(tmp_path, monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("the cache was not used")
 
-    monkeypatch.setattr(gguf_loader, "_open_reader", refuse)
+    monkeypatch.setattr(gguf_loader, "open_reader", refuse)
     second = load_gguf(path, cache=True, cache_dir=cache)
     assert set(second.weights) == set(src.weights)
     for name in first.weights:

@@ -23,13 +23,13 @@ from poot.engine.stops import StopChecker
 class ClampMaxTokens(Engine):
     """A request that can never fit is cut to fit instead of refused."""
 
-    def submit(self, prompt, params, sink):
+    def submit_choices(self, prompt, params, sinks):
         try:
             n = len(self._tokenize(prompt))
         except InvalidRequest:
             n = 0
         room = max(1, min(params.max_tokens, self.plan.positions - n))
-        return super().submit(prompt, dataclasses.replace(params, max_tokens=room), sink)
+        return super().submit_choices(prompt, dataclasses.replace(params, max_tokens=room), sinks)
 
 
 class RefuseWhenFull(Engine):
