@@ -276,7 +276,7 @@ def test_a_device_error_is_a_fault_not_a_crash():
     def broken(step, batch):
         raise driver.wgpu.GPUValidationError("lost")
 
-    driver._run = broken
+    driver.run_step = broken
     with pytest.raises(DeviceFault, match="GPUValidationError"):
         driver.step([RowWork(0, np.array([1], np.int32), 0, [0], 1)])
     with pytest.raises(StepRefused, match="not opened"):
