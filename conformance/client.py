@@ -13,8 +13,9 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from .metrics import MetricsFormatError, Snapshot, parse_prometheus
+from .metrics import Snapshot
 from .outcomes import NotSupported
+from .prometheus import MetricsFormatError, parse
 
 
 def api_key_from_env() -> str | None:
@@ -222,7 +223,7 @@ class Client:
         if r.status_code != 200:
             raise ServerError(f"GET /metrics answered {r.status_code}")
         try:
-            return Snapshot(parse_prometheus(r.text), self.dialect)
+            return Snapshot(parse(r.text), self.dialect)
         except MetricsFormatError as e:
             raise ServerError(f"/metrics is not Prometheus text: {e}") from e
 

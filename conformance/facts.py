@@ -21,6 +21,8 @@ from typing import Any
 import httpx
 import pytest
 
+from . import prometheus
+from .kind import Look
 from .outcomes import NotSupported
 
 FACTS_KEY = pytest.StashKey["Facts"]()
@@ -130,17 +132,6 @@ def command_option(command: str | None, *names: str) -> str | None:
     return None
 
 
-def _json(http: httpx.Client, path: str) -> tuple[int, Any]:
-    try:
-        r = http.get(path)
-    except httpx.HTTPError:
-        return 0, None
-    try:
-        return r.status_code, r.json()
-    except ValueError:
-        return r.status_code, None
-
-
 @dataclass
 class Facts:
     """The facts of one server, discovered once and handed out to tests on request."""
@@ -158,27 +149,9 @@ class Facts:
                  dialect: str = "auto", command: str | None = None) -> Facts:
         facts = cls()
         found: dict[str, Fact] = {}
-        status, health = _json(http, "/health")
-        plan = health.get("plan") if status == 200 and isinstance(health, dict) else None
-        props_status, props = _json(http, "/props")
-        metric_names = facts._scrape_names(http)
-        models_status, models = _json(http, "/v1/models")
-
-        if isinstance(plan, dict):
-            kind, kind_source = "poot", "/health publishes a plan"
-        elif props_status == 200 and isinstance(props, dict) and "total_slots" in props:
-            kind, kind_source = "llamacpp", "/props has total_slots"
-        elif any(n.startswith("llamacpp:") for n in metric_names):
-            kind, kind_source = "llamacpp", "/metrics has llamacpp:* names"
-        elif any(n.startswith("vllm:") for n in metric_names):
-            kind, kind_source = "vllm", "/metrics has vllm:* names"
-        elif models_status == 200 and isinstance(models, dict) and any(
-                isinstance(m, dict) and m.get("owned_by") == "vllm" for m in models.get("data") or []):
-            kind, kind_source = "vllm", "/v1/models says owned_by vllm"
-        elif "engine_steps_total" in metric_names:
-            kind, kind_source = "poot", "/metrics has engine_steps_total"
-        else:
-            kind, kind_source = "openai", "no /health plan, /props or known /metrics names"
+        look = Look.take(http)
+        plan, props = look.plan, look.props
+        kind, kind_source = look.kind()
         found["kind"] = Fact("kind", kind, kind_source)
         facts.dialect = dialect if dialect != "auto" else {"llamacpp": "llamacpp", "vllm": "vllm"}.get(kind, "poot")
 
@@ -188,7 +161,7 @@ class Facts:
                     found[name] = Fact(name, plan[name], "/health plan")
             if "block_size" in found:
                 found["reservation"] = Fact("reservation", "per_block", "/health plan has block_size")
-        if kind == "llamacpp" and isinstance(props, dict):
+        if kind == "llamacpp" and props is not None:
             if isinstance(props.get("total_slots"), int):
                 found["rows"] = Fact("rows", props["total_slots"], "/props total_slots")
             n_ctx = (props.get("default_generation_settings") or {}).get("n_ctx")
@@ -202,15 +175,15 @@ class Facts:
                 found["token_budget"] = Fact("token_budget", LLAMACPP_DEFAULT_BATCH,
                                              "llama.cpp's default --batch-size (the command sets none)")
             found["reservation"] = Fact("reservation", "per_slot", "llama.cpp gives each slot a fixed context")
-        if "positions" not in found and models_status == 200 and isinstance(models, dict):
-            data = models.get("data") or [{}]  # vLLM's field, which poot-serve publishes too
-            if isinstance(data, list) and data and isinstance(data[0], dict) \
-                    and isinstance(data[0].get("max_model_len"), int) and data[0]["max_model_len"] > 0:
-                found["positions"] = Fact("positions", data[0]["max_model_len"], "/v1/models max_model_len")
+        entries = look.model_entries
+        if "positions" not in found and entries:
+            length = entries[0].get("max_model_len")  # vLLM's field, which poot-serve publishes too
+            if isinstance(length, int) and length > 0:
+                found["positions"] = Fact("positions", length, "/v1/models max_model_len")
         if kind == "vllm":
-            info = facts._vllm_cache_info(http)
-            if isinstance(info.get("block_size"), str) and info["block_size"].isdigit():
-                found["block_size"] = Fact("block_size", int(info["block_size"]),
+            block_size = prometheus.label(look.metrics, "vllm:cache_config_info", "block_size")
+            if block_size is not None and block_size.isdigit():
+                found["block_size"] = Fact("block_size", int(block_size),
                                            "/metrics vllm:cache_config_info block_size")
             batched = command_option(command, "--max-num-batched-tokens")
             if batched and batched.isdigit():
@@ -230,31 +203,6 @@ class Facts:
         if given and "kind" in given and dialect == "auto":
             facts.dialect = {"llamacpp": "llamacpp", "vllm": "vllm"}.get(given["kind"].value, "poot")
         return facts
-
-    def _scrape_names(self, http: httpx.Client) -> set[str]:
-        try:
-            r = http.get("/metrics")
-        except httpx.HTTPError:
-            return set()
-        if r.status_code != 200:
-            return set()
-        names = set()
-        for line in r.text.splitlines():
-            if line and not line.startswith("#"):
-                names.add(line.split("{", 1)[0].split(" ", 1)[0])
-        return names
-
-    def _vllm_cache_info(self, http: httpx.Client) -> dict[str, str]:
-        from .metrics import parse_prometheus
-
-        try:
-            samples = parse_prometheus(http.get("/metrics").text)
-        except Exception:  # noqa: BLE001 - no info: the fact is simply not had
-            return {}
-        for (name, labels), _ in samples.items():
-            if name == "vllm:cache_config_info":
-                return dict(labels)
-        return {}
 
     # -- metric facts, read off a scrape ----------------------------------------------------
     def learn_metrics(self, snapshot, source: str = "/metrics") -> None:

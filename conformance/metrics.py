@@ -1,4 +1,4 @@
-"""Reading /metrics: a small Prometheus text parser and the name dialects of other servers.
+"""Reading /metrics by our contract's names, through the name dialects of other servers.
 
 Tests ask for metrics by the names of our contract (docs/contracts.md). A dialect maps those
 names onto another server's: `--metrics-dialect vllm` or `llamacpp`. Most map to one of their
@@ -9,11 +9,11 @@ that needs it ends "not supported".
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+from . import prometheus
+from .prometheus import Samples
 
 CONTRACT_NAMES = (
     "engine_compiles", "engine_steps_total", "engine_requests_waiting", "engine_requests_running",
@@ -32,23 +32,11 @@ class Derived:
     compute: Callable[[Samples], float | None]
 
 
-def _label(samples: Samples, name: str, label: str) -> str | None:
-    for (sample, labels), _ in samples.items():
-        if sample == name:
-            return dict(labels).get(label)
-    return None
-
-
-def _value(samples: Samples, name: str) -> float | None:
-    values = [v for (sample, _), v in samples.items() if sample == name]
-    return sum(values) if values else None
-
-
 def vllm_blocks_total(samples: Samples) -> float | None:
     """vllm:cache_config_info carries the KV pool's size as its num_gpu_blocks label (the
     CPU build's blocks are counted there too); one of them is vLLM's null block, which no
     request ever gets."""
-    raw = _label(samples, "vllm:cache_config_info", "num_gpu_blocks")
+    raw = prometheus.label(samples, "vllm:cache_config_info", "num_gpu_blocks")
     return float(int(raw) - 1) if raw is not None and raw.isdigit() and int(raw) > 1 else None
 
 
@@ -56,7 +44,7 @@ def vllm_blocks_in_use(samples: Samples) -> float | None:
     """vLLM publishes the fraction of its usable pool that is not free (1 - free / usable), so
     every block a request holds, or one nobody gave back, counts; cached blocks no request
     holds are free until evicted and do not."""
-    total, used = vllm_blocks_total(samples), _value(samples, "vllm:kv_cache_usage_perc")
+    total, used = vllm_blocks_total(samples), prometheus.value(samples, "vllm:kv_cache_usage_perc")
     return None if total is None or used is None else float(round(used * total))
 
 # our name -> (their name, {our label: their label}, {our label value: their label value}), or Derived
@@ -96,33 +84,6 @@ DIALECTS: dict[str, dict[str, tuple[str, dict[str, str], dict[str, str]] | Deriv
 # request gave back shows in it, so a leak needs no other witness.
 IN_USE_COUNTS_EVERY_UNFREED_BLOCK = frozenset({"vllm"})
 
-_LINE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})?\s+(\S+)(\s+\S+)?$')
-_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
-
-
-class MetricsFormatError(ValueError):
-    pass
-
-
-def parse_prometheus(text: str) -> Samples:
-    """Samples of a Prometheus text exposition: (name, labels) -> value."""
-    samples = {}
-    for number, line in enumerate(text.splitlines(), 1):
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        m = _LINE.match(line)
-        if not m:
-            raise MetricsFormatError(f"line {number} is not a Prometheus sample: {line[:80]!r}")
-        labels = frozenset(_LABEL.findall(m.group(3) or ""))
-        try:
-            value = float(m.group(4))
-        except ValueError as e:
-            raise MetricsFormatError(f"line {number}: value {m.group(4)!r} is not a number") from e
-        samples[(m.group(1), labels)] = value
-    return samples
-
-
 @dataclass(slots=True)
 class Snapshot:
     """One scrape, read by contract names through a dialect."""
@@ -132,7 +93,7 @@ class Snapshot:
     names: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
-        self.names = {name for name, _ in self.samples}
+        self.names = prometheus.names(self.samples)
 
     def _map(self, name: str, labels: dict[str, str]) -> tuple[str, dict[str, str]] | Derived | None:
         table = DIALECTS[self.dialect]
@@ -164,10 +125,5 @@ class Snapshot:
             value = mapped.compute(self.samples)
             return default if value is None else value
         theirs, want = mapped
-        found, total = False, 0.0
-        for (sample_name, sample_labels), value in self.samples.items():
-            if sample_name != theirs:
-                continue
-            if all(item in sample_labels for item in want.items()):
-                found, total = True, total + value
-        return total if found else default
+        total = prometheus.value(self.samples, theirs, **want)
+        return default if total is None else total

@@ -18,13 +18,13 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from . import choices, logits_processors, logprobs
 from .blocks import BlockPool
-from .drivers.base import DeviceFault, Driver, StepOutput, StepRefused
+from .drivers.base import DeviceFault, Driver, RowWork, StepOutput, StepRefused
 from .events import Accepted, Event, Finished, PromptLogprobs, Rejected, RequestHandle, Tokens
 from .params import InvalidRequest, SamplingParams
 from .picker import Picked, Picker
@@ -51,6 +51,17 @@ class EngineDead(RuntimeError):
 class Health:
     status: str  # ok | dead
     cause: str | None = None  # fault | panicked | stopped
+    reason: str | None = None
+
+
+@dataclass(slots=True)
+class _Kept:
+    """What a row's commit keeps: its tokens, their released text and (where asked) their
+    logprobs, and the stop rule that ends the request, if one did."""
+
+    tokens: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    scores: list = field(default_factory=list)
     reason: str | None = None
 
 
@@ -188,7 +199,7 @@ class Engine:
             "kv_blocks_total": self.plan.num_blocks,
             "kv_blocks_reserved": s.num_reserved_blocks,
             "kv_blocks_in_use": len({b for q in s.running for b in q.block_table[: self.plan.blocks_for(q.num_computed)]}),
-            "kv_blocks_cached": cache.num_cached_free() if cache else 0,
+            "kv_blocks_cached": cache.num_cached_free(),
             "kv_blocks_free": len(self.pool.free_ids),
             "requests_finished": dict(self.finished_by_reason),
             "prompt_tokens": self.counters["prompt_tokens"],
@@ -363,76 +374,82 @@ class Engine:
 
     # phase 5
     def _commit(self, scheduled: list[Scheduled], out: StepOutput | None) -> None:
-        offset = host = 0  # the row's first logit index, and its first row of host logits
-        for s in scheduled:
-            seq, n = s.seq, s.work.num_logits
-            ids = None if out.token_ids is None else out.token_ids[offset : offset + n]
-            offset += n
-            on_device = ids is not None and n > 0 and ids[0] >= 0  # the driver picked the row's tokens
-            if on_device:
-                rows = ids
+        if out is None:
+            return  # nothing stepped
+        logit = host = 0  # the row's first logit index, and its first row of host logits
+        for s, picked in zip(scheduled, out.picked, strict=True):
+            seq, work, n = s.seq, s.work, s.work.num_logits
+            if picked:  # the driver picked the row's tokens: their ids, not their logits
+                rows = out.token_ids[logit : logit + n]
             else:
                 rows = out.logits[host : host + n]
                 host += n
-            scoring = seq.prefilling and seq.params.prompt_logprobs is not None
-            seq.num_computed += len(s.work.tokens) if seq.prefilling else 0
-            if scoring:
-                rows = self._score_prompt(seq, s.work.start, rows)
-            if len(rows) == 0:
-                continue  # a prefill chunk that did not reach the prompt's end
-            self._commit_row(seq, rows, s.drafts, on_device)
+            logit += n
+            prefilling = seq.prefilling  # as the step found it
+            if prefilling and seq.params.prompt_logprobs is not None:
+                rows = self._score_prompt(seq, work, rows)
+            # Nothing to pick: a prefill chunk short of the prompt's end, or an echo of the
+            # prompt alone (max_tokens 0).
+            kept = self._keep(seq, rows, s.drafts, picked) if len(rows) else None
+            # The one place a sequence's computed count moves, before its release can read it
+            # (to register the prompt's filled blocks): a prefill chunk's KV is all written; a
+            # decoding row's holds the fed token and each accepted draft, one per kept token
+            # (a rejected draft's KV is rolled back by never being counted).
+            seq.num_computed += len(work.tokens) if prefilling else len(kept.tokens)
+            if kept is not None:
+                self._stream(seq, kept, s.drafts)
+            elif seq.params.max_tokens == 0 and not seq.prefilling:
+                self._finish(seq, "length")  # the prompt is scored, and nothing is wanted after it
 
-    def _score_prompt(self, seq: Sequence, start: int, rows: np.ndarray) -> np.ndarray:
+    def _score_prompt(self, seq: Sequence, work: RowWork, rows: np.ndarray) -> np.ndarray:
         """Echo: scores the chunk's prompt tokens; returns the rows left to pick from (the
         last, once the prompt is done and outputs are wanted)."""
-        seq.prompt_scores.extend(logprobs.score_prompt(rows, seq.prompt, start, seq.params.prompt_logprobs))
-        if seq.prefilling:
+        seq.prompt_scores.extend(logprobs.score_prompt(rows, seq.prompt, work.start, seq.params.prompt_logprobs))
+        if work.start + len(work.tokens) < len(seq.prompt):
             return rows[:0]
         scores = seq.prompt_scores
         self._emit(seq.handle, PromptLogprobs(tuple(seq.prompt), (None, *(t.logprob for t in scores)),
                                               ((), *(t.top for t in scores))))
-        if seq.params.max_tokens == 0:
-            self._finish(seq, "length")
-            return rows[:0]
-        return rows[-1:]
+        return rows[-1:] if seq.params.max_tokens else rows[:0]
 
-    def _commit_row(self, seq: Sequence, rows: np.ndarray, drafts: list[int], on_device: bool = False) -> None:
+    def _keep(self, seq: Sequence, rows: np.ndarray, drafts: list[int], picked: bool) -> _Kept:
         """Keeps tokens up to EOS, a stop string or max_tokens; with drafts, the accepted
-        ones and one more from the target. `rows`: the positions' logits, or (`on_device`)
-        the tokens the driver picked at them."""
-        was_decoding = bool(seq.output)
-        if not was_decoding:
+        ones and one more from the target. `rows`: the positions' logits, or (`picked`) the
+        tokens the driver picked at them."""
+        if not seq.output:
             seq.first_token_at = time.perf_counter()
-        kept, text, reason, scores = [], [], None, []
+        kept = _Kept()
         for i in range(len(rows)):
-            picked = Picked(int(rows[i])) if on_device else self.picker.pick(rows[i], seq)
-            token = picked.token
-            if picked.logprob is not None:
-                scores.append(picked.logprob)
-            kept.append(token)
+            pick = Picked(int(rows[i])) if picked else self.picker.pick(rows[i], seq)
+            token = pick.token
+            if pick.logprob is not None:
+                kept.scores.append(pick.logprob)
+            kept.tokens.append(token)
             seq.output.append(token)
             released, stopped = seq.stops.add(token)
-            text.append(released)
+            kept.text.append(released)
             if stopped:
-                reason = "stop"
+                kept.reason = "stop"
             elif self.ends_on_eos(seq, token):
-                reason = "stop"
+                kept.reason = "stop"
             elif self.reached_max_tokens(seq):
-                reason = "length"
-            if reason or i >= len(drafts) or not self.accepts_draft(drafts[i], token):
+                kept.reason = "length"
+            # A draft is accepted when the target's token at its position equals it; the
+            # loop stops at the first one that does not, or at a stop rule.
+            if kept.reason or i >= len(drafts) or not self.accepts_draft(drafts[i], token):
                 break
-        if was_decoding:  # KV now holds the fed token and every accepted draft
-            seq.num_computed += len(kept)
-        # A draft is accepted when the target's token at its position equals it; the loop
-        # above stops at the first one that does not, or at a stop rule.
+        return kept
+
+    def _stream(self, seq: Sequence, kept: _Kept, drafts: list[int]) -> None:
+        """Counts and streams what a row kept, and ends the request if a stop rule did."""
         self.counters["spec_drafted"] += len(drafts)
-        self.counters["spec_accepted"] += sum(1 for d, t in zip(drafts, kept, strict=False) if d == t)
+        self.counters["spec_accepted"] += sum(1 for d, t in zip(drafts, kept.tokens, strict=False) if d == t)
         self.counters["spec_rounds"] += 1 if drafts else 0
-        self.counters["generation_tokens"] += len(kept)
-        self._emit(seq.handle, Tokens(tuple(kept), "".join(text), tuple(t.logprob for t in scores),
-                                      tuple(t.top for t in scores)))
-        if reason:
-            self._finish(seq, reason)
+        self.counters["generation_tokens"] += len(kept.tokens)
+        self._emit(seq.handle, Tokens(tuple(kept.tokens), "".join(kept.text), tuple(t.logprob for t in kept.scores),
+                                      tuple(t.top for t in kept.scores)))
+        if kept.reason:
+            self._finish(seq, kept.reason)
 
     def ends_on_eos(self, seq: Sequence, token: int) -> bool:
         if token in seq.params.stop_token_ids:

@@ -41,9 +41,10 @@ class Plan:
     # chunk may be long enough for the products to run at their full rate. 0: token_budget.
     idle_token_budget: int = 0
     adapter: str = ""  # the device adapter the driver runs on, where it chose one
-    # Prefill tokens a step beside only a few decoding rows may add (see step_budget); 0: no
-    # cap but token_budget.
-    prefill_chunk: int = 0
+    # Prefill tokens a step beside only a few decoding rows may add (see step_budget): about
+    # one read of the weights' worth of arithmetic (weight_read_tokens). 0: no cap but
+    # token_budget. Published (as_dict, GET /health) under its old name, prefill_chunk.
+    prefill_beside_decoding: int = 0
     token_multiple: int = 1  # the device's products run on multiples of this many tokens
 
     def blocks_for(self, num_tokens: int) -> int:
@@ -57,18 +58,18 @@ class Plan:
     def step_budget(self, decoding_rows: int) -> int:
         """The tokens one step may feed beside `decoding_rows` decoding rows (their own tokens
         included): the idle budget when none decodes; else at most token_budget, and at most
-        2D + prefill_chunk. A step reads the weights once, which costs about prefill_chunk
-        tokens' arithmetic, and then computes each token it feeds, so its cost goes as
-        prefill_chunk + T: at 2D + prefill_chunk tokens a step costs about twice what the D
-        decoding rows' own step would, however few they are. On a device whose products are
+        2D + P, P being prefill_beside_decoding. A step reads the weights once, which costs
+        about P tokens' arithmetic, and then computes each token it feeds, so its cost goes
+        as P + T: at 2D + P tokens a step costs about twice what the D decoding rows' own
+        step would, however few they are. On a device whose products are
         padded to a width the cap rounds down to it (a step over a width costs the next
         whole width), but never to D or below."""
         if decoding_rows == 0:
             return self.max_step_tokens
-        if not self.prefill_chunk:
+        if not self.prefill_beside_decoding:
             return self.token_budget
         d, m = decoding_rows, max(1, self.token_multiple)
-        cap = 2 * d + self.prefill_chunk
+        cap = 2 * d + self.prefill_beside_decoding
         rounded = (cap // m) * m
         return min(self.token_budget, rounded if rounded > d else cap)
 
@@ -77,7 +78,12 @@ class Plan:
         return self.prefill_budget(decoding=False)
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        """The plan as GET /health publishes it: every field, prefill_beside_decoding under
+        its published name, prefill_chunk, in the same place."""
+        return {PUBLISHED_AS.get(k, k): v for k, v in asdict(self).items()}
+
+
+PUBLISHED_AS = {"prefill_beside_decoding": "prefill_chunk"}  # public names kept stable across renames
 
 
 BLOCK_SIZE = 16
@@ -87,8 +93,9 @@ PREFILL_SHARE = 1.0  # a prefill chunk beside few decoding rows: about one weigh
 IDLE_PREFILL_SHARE = 8.0  # likewise, a step that no decoding row waits on
 
 
-def prefill_chunk(device: DeviceInfo, itemsize: int = 4) -> int:
-    """Prefill tokens a step beside a few decoding rows may carry (Plan.step_budget).
+def weight_read_tokens(device: DeviceInfo, itemsize: int = 4) -> int:
+    """Tokens whose arithmetic takes about as long as reading the weights once (at least
+    16): the prefill a step beside a few decoding rows may carry (Plan.prefill_beside_decoding).
 
     A token costs 2 FLOPs per weight (itemsize bytes), so at `balance` tokens a step's
     arithmetic takes as long as reading the weights once, which is what a step of a few
@@ -109,7 +116,7 @@ def idle_prefill_chunk(device: DeviceInfo, itemsize: int = 4) -> int:
     meanwhile waits longer to be admitted.
     """
     balance = device.flops_per_byte * itemsize / 2
-    return max(prefill_chunk(device, itemsize), int(IDLE_PREFILL_SHARE * balance))
+    return max(weight_read_tokens(device, itemsize), int(IDLE_PREFILL_SHARE * balance))
 
 
 def fit_plan(device: DeviceInfo, config, weight_bytes: int, model_name: str = "",
@@ -121,13 +128,13 @@ def fit_plan(device: DeviceInfo, config, weight_bytes: int, model_name: str = ""
     positions = min(int(config.max_positions), MAX_POSITIONS)
     rows = max(1, device.parallel_rows)
     multiple = max(1, device.token_multiple)
-    chunk = prefill_chunk(device)
+    beside = weight_read_tokens(device)
     # Every row decoding, a step may cost twice their own step (Plan.step_budget).
-    token_budget = max(rows + 1, (2 * rows + chunk) // multiple * multiple)
+    token_budget = max(rows + 1, (2 * rows + beside) // multiple * multiple)
     idle_budget = max(token_budget, -(-idle_prefill_chunk(device) // multiple) * multiple)
     if getattr(config, "recurrent", False):
         return Plan(device.backend, rows, positions, BLOCK_SIZE, 0, token_budget, model_name, state_slots=rows,
-                    idle_token_budget=idle_budget, adapter=device.adapter, prefill_chunk=chunk,
+                    idle_token_budget=idle_budget, adapter=device.adapter, prefill_beside_decoding=beside,
                     token_multiple=multiple)
     free = device.memory_bytes - weight_bytes
     if free <= 0:
@@ -146,5 +153,5 @@ def fit_plan(device: DeviceInfo, config, weight_bytes: int, model_name: str = ""
     if positions < BLOCK_SIZE:
         raise ValueError("the device has no room for a KV cache")
     return Plan(device.backend, rows, positions, BLOCK_SIZE, num_blocks, token_budget, model_name,
-                idle_token_budget=idle_budget, adapter=device.adapter, prefill_chunk=chunk,
+                idle_token_budget=idle_budget, adapter=device.adapter, prefill_beside_decoding=beside,
                 token_multiple=multiple)

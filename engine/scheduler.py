@@ -23,6 +23,7 @@ from . import choices
 from .blocks import BlockPool
 from .drivers.base import RowWork
 from .plan import Plan
+from .prefix_cache import PrefixCache
 from .sequence import Sequence, Status
 
 
@@ -34,7 +35,7 @@ class Scheduled:
 
 
 class Scheduler:
-    def __init__(self, plan: Plan, pool: BlockPool, prefix_cache=None):
+    def __init__(self, plan: Plan, pool: BlockPool, prefix_cache: PrefixCache):
         self.plan = plan
         self.pool = pool
         self.prefix_cache = prefix_cache
@@ -78,15 +79,10 @@ class Scheduler:
             return True
         need = self.blocks_needed(seq)
         extra = choices.num_group_blocks(need, 1 + len(others), seq.group.shared_blocks if others else 0) - need
-        if self.prefix_cache is not None:
-            table = self.prefix_cache.open(seq, need, extra)
-            if table is None:
-                return False
-            seq.block_table = table
-        elif not self.pool.can_allocate(need + extra):
+        table = self.prefix_cache.open(seq, need, extra)  # the prompt's cached blocks first
+        if table is None:
             return False
-        else:
-            seq.block_table = self.pool.allocate(need)
+        seq.block_table = table
         choices.attach(seq, list(others), self.pool, need, self.plan.block_size)
         return True
 
@@ -111,7 +107,7 @@ class Scheduler:
                 break
             if not choices.may_step(seq):
                 continue  # a choice waits for the prompt blocks it shares to be written
-            chunk = self.prefill_chunk(seq, budget, bool(decoding))
+            chunk = self.next_prompt_tokens(seq, budget, bool(decoding))
             last = seq.num_computed + len(chunk) == len(seq.prompt)
             # A prompt being scored (echo) needs the logits of every position, not only the last.
             num_logits = len(chunk) if seq.params.prompt_logprobs is not None else 1 if last else 0
@@ -124,7 +120,7 @@ class Scheduler:
         """The running requests past their prompt: each gets a token in every step."""
         return [s for s in self.running if not s.prefilling]
 
-    def prefill_chunk(self, seq: Sequence, budget: int, decoding: bool) -> list[int]:
+    def next_prompt_tokens(self, seq: Sequence, budget: int, decoding: bool) -> list[int]:
         """The next prompt tokens a prefilling row feeds, at most `budget` of them (`decoding`:
         whether decoding rows share the step, which only sizes the budget)."""
         return seq.prompt[seq.num_computed : seq.num_computed + budget]
@@ -139,10 +135,7 @@ class Scheduler:
             choices.on_release(seq)
             self.running.remove(seq)
             self.free_rows.append(seq.row)
-            if self.prefix_cache is not None:
-                registered = self.prefix_cache.release(seq)
-            elif seq.block_table:
-                self.pool.free(seq.block_table)
+            registered = self.prefix_cache.release(seq)
             seq.block_table = []
             seq.row = -1
         elif seq.status is Status.WAITING:

@@ -15,7 +15,7 @@ Verification, per position i with draft d_i, from the target's logits there:
 - sampling: standard rejection sampling. For a deterministic draft the draft distribution q
   is a point mass on d, so the rule "accept d with probability min(1, p(d)/q(d)) = p(d); on
   rejection draw from norm(max(0, p - q)) = p with d removed, renormalized" is exactly what
-  Engine._commit_row does: draw x from p by inverse CDF with one uniform u
+  Engine._keep does: draw x from p by inverse CDF with one uniform u
   (sampler.sample), and accept iff x == d. The event x == d has probability p(d), and given x != d, u is uniform over the
   rest of [0, 1), so x is distributed as p without d, renormalized. Each committed token
   draws the uniform at its own output index from the request's counter-based stream

@@ -8,7 +8,7 @@ device from a slow loop."""
 
 from __future__ import annotations
 
-from bisect import bisect_left
+from .histogram import Histogram
 
 KINDS = ("decode", "mixed", "prefill")
 # Seconds: from a tiny model's millisecond steps to a stall anyone would notice.
@@ -24,25 +24,16 @@ def kind_of(decoding: bool, prefilling: bool) -> str:
 class StepTimes:
     def __init__(self) -> None:
         self.bounds = BOUNDS
-        self._counts = {kind: [0] * (len(BOUNDS) + 1) for kind in KINDS}  # the last: above every bound
-        self._sums = dict.fromkeys(KINDS, 0.0)
+        self._seconds = {kind: Histogram(BOUNDS) for kind in KINDS}
         self._host = dict.fromkeys(KINDS, 0.0)
-        self._max = dict.fromkeys(KINDS, 0.0)
 
     def observe(self, kind: str, seconds: float, host_seconds: float) -> None:
-        self._counts[kind][bisect_left(self.bounds, seconds)] += 1
-        self._sums[kind] += seconds
+        self._seconds[kind].observe(seconds)
         self._host[kind] += host_seconds
-        self._max[kind] = max(self._max[kind], seconds)
 
     def snapshot(self) -> dict:
         """{"bounds": [...], kind: {"buckets": cumulative counts, "count", "sum", "host_sum", "max"}}."""
         out: dict = {"bounds": list(self.bounds)}
-        for kind, counts in self._counts.items():
-            cumulative, total = [], 0
-            for c in counts[:-1]:
-                total += c
-                cumulative.append(total)
-            out[kind] = {"buckets": cumulative, "count": total + counts[-1], "sum": self._sums[kind],
-                         "host_sum": self._host[kind], "max": self._max[kind]}
+        for kind, h in self._seconds.items():
+            out[kind] = {**h.snapshot(), "host_sum": self._host[kind], "max": h.max}
         return out

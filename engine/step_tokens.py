@@ -6,8 +6,7 @@ went over (vLLM exports tokens per iteration the same way)."""
 
 from __future__ import annotations
 
-from bisect import bisect_left
-
+from .histogram import Histogram
 from .plan import Plan
 
 
@@ -19,22 +18,11 @@ class StepTokens:
             bounds.add(b)
             b *= 2
         self.bounds = sorted(bounds)
-        # per kind: observations in each bucket (not cumulative; the last is above every bound)
-        self._counts = {kind: [0] * (len(self.bounds) + 1) for kind in ("decoding", "idle")}
-        self._sums = {"decoding": 0, "idle": 0}
+        self._tokens = {kind: Histogram(self.bounds, zero=0) for kind in ("decoding", "idle")}
 
     def observe(self, tokens: int, decoding: bool) -> None:
-        kind = "decoding" if decoding else "idle"
-        self._counts[kind][bisect_left(self.bounds, tokens)] += 1
-        self._sums[kind] += tokens
+        self._tokens["decoding" if decoding else "idle"].observe(tokens)
 
     def snapshot(self) -> dict:
         """{"bounds": [...], kind: {"buckets": cumulative counts per bound, "count", "sum"}}."""
-        out: dict = {"bounds": list(self.bounds)}
-        for kind, counts in self._counts.items():
-            cumulative, total = [], 0
-            for c in counts[:-1]:
-                total += c
-                cumulative.append(total)
-            out[kind] = {"buckets": cumulative, "count": total + counts[-1], "sum": self._sums[kind]}
-        return out
+        return {"bounds": list(self.bounds), **{kind: h.snapshot() for kind, h in self._tokens.items()}}

@@ -22,11 +22,10 @@ import sys
 import time
 from dataclasses import replace
 
-import httpx
-
 from poot.loadtests import convoy as convoy_mod
 from poot.loadtests import memory, report, scrape, stats
-from poot.loadtests.keys import ENV_VAR, api_key, headers
+from poot.loadtests.client import discover_model
+from poot.loadtests.keys import ENV_VAR, api_key
 from poot.loadtests.server_proc import BundledServer
 from poot.loadtests.workloads import DESCRIPTIONS, SCENARIOS, Lengths, build, scenario_config
 
@@ -49,7 +48,8 @@ def _target(a, out: str):
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="poot-load", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("scenario", help="a scenario (see `poot-load list`), or `compare`, `report`, `list`")
+    p.add_argument("scenario", help="a scenario (see `poot-load list`), or `compare`, `report`, `list`, or `serving` "
+                                      "(servers side by side: `poot-load serving --help`)")
     p.add_argument("paths", nargs="*", help="for compare: two report folders (or summary.json files)")
     t = p.add_argument_group("target")
     t.add_argument("--url", help="base URL of the server, e.g. http://127.0.0.1:8000")
@@ -124,17 +124,6 @@ def _overrides(a) -> dict:
     if a.no_usage:
         o["include_usage"] = False
     return o
-
-
-def discover_model(url: str, key: str | None = None) -> str:
-    try:
-        r = httpx.get(url.rstrip("/") + "/v1/models", timeout=5, headers=headers(key))
-        data = r.json().get("data") or []
-        if data:
-            return data[0]["id"]
-    except (httpx.HTTPError, ValueError, KeyError, TypeError):
-        pass
-    return "default"
 
 
 def _say(a, *msg) -> None:
@@ -352,6 +341,11 @@ def rebuild_report(folder: str, a) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serving"]:  # servers side by side: options of its own (poot-load serving --help)
+        from poot.loadtests import serving
+
+        return serving.main(argv[1:])
     a = _parser().parse_args(argv)
     a.key = api_key(a.api_key)
     if a.scenario == "list":

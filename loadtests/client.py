@@ -8,7 +8,15 @@ from __future__ import annotations
 
 import httpx
 
+from poot.conformance.client import auth_headers
+from poot.conformance.kind import first_model
 from poot.loadtests.sse import StreamRecorder
+
+
+def discover_model(url: str, key: str | None = None) -> str:
+    """The first model the server lists (asked with the key), else "default"."""
+    with httpx.Client(base_url=url.rstrip("/"), timeout=5, headers=auth_headers(key)) as http:
+        return first_model(http) or "default"
 
 
 async def stream_into(client: httpx.AsyncClient, path: str, body: dict, timeout: float,

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 
+from poot.conformance.client import auth_headers
+
 ENV_VAR = "OPENAI_API_KEY"
 
 
@@ -15,5 +17,4 @@ def api_key(given: str | None = None) -> str | None:
     return given or os.environ.get(ENV_VAR) or None
 
 
-def headers(key: str | None) -> dict[str, str]:
-    return {"authorization": f"Bearer {key}"} if key else {}
+headers = auth_headers  # one way to send it, the suite's

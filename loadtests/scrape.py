@@ -6,8 +6,8 @@ import threading
 import time
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
+from poot.conformance import prometheus
 from poot.loadtests.keys import headers
 
 # Series shown in reports (names as in docs/contracts.md). Counters are stored under their
@@ -17,20 +17,6 @@ TRACKED = ("engine_requests_running", "engine_requests_waiting", "kv_blocks_in_u
            "generation_tokens_total", "prompt_tokens_total", "spec_drafted_tokens_total",
            "spec_accepted_tokens_total", "engine_compiles", "prefix_cache_queried_tokens_total",
            "prefix_cache_hit_tokens_total", "process_resident_memory_bytes")
-
-
-def parse_metrics(text: str) -> dict[str, float]:
-    """Flat {sample name[{labels}]: value}; labelled samples keep their labels in the key."""
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name.endswith("_created"):
-                continue
-            key = s.name
-            if s.labels:
-                key += "{" + ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items())) + "}"
-            out[key] = float(s.value)
-    return out
 
 
 def fetch(url: str, client: httpx.Client | None = None, timeout: float = 2.0,
@@ -47,8 +33,8 @@ def fetch(url: str, client: httpx.Client | None = None, timeout: float = 2.0,
     if r.status_code != 200:
         return None
     try:
-        return parse_metrics(r.text)
-    except ValueError:
+        return prometheus.parse_flat(r.text)
+    except prometheus.MetricsFormatError:
         return None
 
 

@@ -7,18 +7,14 @@ import os
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import httpx
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from poot.conformance.client import auth_headers
+from poot.conformance.target import free_port
 
 
 def poot_serve_exe() -> str:
@@ -33,11 +29,12 @@ def serve_command(port: int, model: str = "synthetic", extra: list[str] | None =
     return [poot_serve_exe(), "--model", model, "--host", "127.0.0.1", "--port", str(port)] + list(extra or [])
 
 
-def is_ready(url: str, timeout: float = 1.0) -> bool:
-    """GET /health answers 200, or GET /v1/models does (servers without /health)."""
+def is_ready(url: str, timeout: float = 1.0, key: str | None = None) -> bool:
+    """GET /health answers 200, or GET /v1/models does (servers without /health); asked with
+    the key, for a server that wants it on both."""
     for path in ("/health", "/v1/models"):
         try:
-            if httpx.get(url + path, timeout=timeout).status_code == 200:
+            if httpx.get(url + path, timeout=timeout, headers=auth_headers(key)).status_code == 200:
                 return True
         except httpx.HTTPError:
             pass
@@ -51,8 +48,9 @@ class CommandServer:
     Context manager: `with CommandServer("my-server --port {port}") as url: ...`."""
 
     def __init__(self, command: str | list[str], startup_timeout: float = 60.0, log_path: str | None = None,
-                 name: str = "server", env: dict[str, str] | None = None):
+                 name: str = "server", env: dict[str, str] | None = None, api_key: str | None = None):
         self.command = command
+        self.api_key = api_key  # sent while waiting for it to be ready
         self.env = env  # extra environment for the server (a key it requires, say)
         self.startup_timeout = startup_timeout
         self.log_path = log_path
@@ -95,7 +93,7 @@ class CommandServer:
                 self.stop()
                 raise RuntimeError(f"{self.name} exited with code {code} before it was ready "
                                    f"(command: {shlex.join(cmd)})")
-            if is_ready(self.url):
+            if is_ready(self.url, key=self.api_key):
                 return self.url
             time.sleep(0.2)
         self.stop()
@@ -133,9 +131,9 @@ class BundledServer(CommandServer):
                  log_path: str | None = None, api_key: str | None = None):
         self.model = model
         self.extra = extra or []
-        self.api_key = api_key  # the server requires it (POOT_API_KEY); /health stays open
+        # the server requires it (POOT_API_KEY); /health stays open
         super().__init__(serve_command(0, model, self.extra), startup_timeout, log_path, name="poot-serve",
-                         env={"POOT_API_KEY": api_key} if api_key else None)
+                         env={"POOT_API_KEY": api_key} if api_key else None, api_key=api_key)
 
     def argv(self, port: int) -> list[str]:
         return serve_command(port, self.model, self.extra)

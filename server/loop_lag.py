@@ -11,30 +11,18 @@ from __future__ import annotations
 
 import asyncio
 import time
-from bisect import bisect_left
+
+from poot.engine.histogram import Histogram
 
 TICK_S = 0.02
 BOUNDS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
-class LoopLag:
+class LoopLag(Histogram):
+    """Seconds late, per wake-up."""
+
     def __init__(self) -> None:
-        self.bounds = BOUNDS
-        self.counts = [0] * (len(BOUNDS) + 1)
-        self.total = 0.0
-        self.max = 0.0
-
-    def observe(self, late: float) -> None:
-        self.counts[bisect_left(self.bounds, late)] += 1
-        self.total += late
-        self.max = max(self.max, late)
-
-    def cumulative(self) -> list[int]:
-        out, running = [], 0
-        for c in self.counts[:-1]:
-            running += c
-            out.append(running)
-        return out
+        super().__init__(BOUNDS)
 
     async def watch(self) -> None:
         while True:

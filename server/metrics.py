@@ -7,6 +7,8 @@ from prometheus_client import ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from poot.engine.histogram import Histogram
+
 # name in engine.metrics() -> HELP text. Counters are exported with the _total suffix.
 COUNTERS = {
     "engine_steps": "Driver steps taken by the engine loop.",
@@ -101,10 +103,10 @@ LOOP_LAG = ("server_event_loop_lag_seconds", "How late the server's event loop w
             "20 ms: a late loop delays every stream's tokens at once, whatever the engine's steps took.")
 
 
-def loop_lag_family(lag) -> HistogramMetricFamily:
+def loop_lag_family(lag: Histogram) -> HistogramMetricFamily:
     family = HistogramMetricFamily(LOOP_LAG[0], LOOP_LAG[1])
     buckets = [(str(float(b)), c) for b, c in zip(lag.bounds, lag.cumulative(), strict=True)]
-    family.add_metric([], buckets + [("+Inf", sum(lag.counts))], sum_value=lag.total)
+    family.add_metric([], buckets + [("+Inf", lag.count)], sum_value=lag.sum)
     return family
 
 

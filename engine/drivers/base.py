@@ -17,9 +17,10 @@ logits (float32, the whole vocabulary). The engine marks each row whose tokens m
 there (`RowWork.pick`): a request that asks for nothing but greedy, or temperature with
 top-k and top-p, from its counter-based random stream (engine/picker.py's plain case:
 no logprobs, no penalty, bias or min_tokens mask, no prompt to score). A driver returns
-`token_ids` for such rows and logits only for the others, so a device that picks needs to
-read back L token ids instead of L x vocab floats. A driver that picks nothing on its device
-returns every row's logits; the base class then picks the marked rows from them with the
+`token_ids` for such rows and logits only for the others, and says which rows it picked
+(`StepOutput.picked`, one flag per row), so a device that picks needs to read back L token
+ids instead of L x vocab floats. A driver that picks nothing on its device returns every
+row's logits (`host_logits`); the base class then picks the marked rows from them with the
 engine's own sampler (engine/sampler.py), so a marked row's token is the same function of
 its logits, parameters and stream on every backend. `device_picks = False` turns picking
 off: every row's logits come back.
@@ -160,12 +161,31 @@ def step_arrays(batch: list[RowWork], block_size: int, tables: np.ndarray | None
 
 @dataclass(slots=True)
 class StepOutput:
-    # (H, vocab) float32 host logits, in batch order: one row per logit index the host picks
-    # (every index, when token_ids is None).
+    # Per batch row, in batch order: whether the driver picked the row's tokens (their ids are
+    # in `token_ids`) or left them to the host (their logits are in `logits`). A row is picked
+    # whole or not at all; a row with no logits (a mid-prefill chunk) is never picked.
+    picked: list[bool]
+    # (H, vocab) float32 host logits, in batch order: one row per logit index of the rows not
+    # picked (every index, when nothing was).
     logits: np.ndarray
-    # (L,) int32: the token picked at each logit index, -1 where the host picks (its logits
-    # are in `logits`); None: nothing was picked. A row is picked whole or not at all.
+    # (L,) int32: the token picked at each logit index, -1 at the rows not picked; None when
+    # no row was.
     token_ids: np.ndarray | None = None
+
+
+def host_logits(batch: list[RowWork], logits: np.ndarray) -> StepOutput:
+    """A step that picked nothing: every logit index's logits go to the host."""
+    return StepOutput([False] * len(batch), logits)
+
+
+def marked_rows(batch: list[RowWork], marked: np.ndarray) -> list[bool]:
+    """Per batch row, from the logit indices a step marked for picking (`StepArrays.picks`
+    not PICK_HOST): whether the row was marked (a row is marked whole or not at all)."""
+    rows, i = [], 0
+    for w in batch:
+        rows.append(w.num_logits > 0 and bool(marked[i]))
+        i += w.num_logits
+    return rows
 
 
 def pick_from_logits(logits: np.ndarray, step: StepArrays, batch: list[RowWork]) -> StepOutput:
@@ -173,15 +193,16 @@ def pick_from_logits(logits: np.ndarray, step: StepArrays, batch: list[RowWork])
     others' logits kept: what a driver whose device cannot pick returns."""
     mode = step.picks[:, 0]
     if not mode.any():
-        return StepOutput(logits)
+        return host_logits(batch, logits)
+    picked = marked_rows(batch, mode != PICK_HOST)
     ids = np.full(len(mode), -1, np.int32)
     i = 0
-    for w in batch:
-        if mode[i : i + w.num_logits].any():
+    for w, row_picked in zip(batch, picked, strict=True):
+        if row_picked:
             for j in range(w.num_logits):
                 ids[i + j] = sampler.sample(logits[i + j], w.pick.params, w.pick.uniform(j))
         i += w.num_logits
-    return StepOutput(logits[ids < 0], ids)
+    return StepOutput(picked, logits[ids < 0], ids)
 
 
 class Driver(ABC):
@@ -220,8 +241,9 @@ class Driver(ABC):
 
     @abstractmethod
     def run_step(self, step: StepArrays, batch: list[RowWork]) -> StepOutput:
-        """Runs the step. Returns every logit index's logits, or (a device that picks) the
-        ids of the rows `step.picks` marks and the other rows' logits."""
+        """Runs the step. Returns every logit index's logits (`host_logits`), or (a device
+        that picks) the ids of the rows `step.picks` marks, `picked` saying which, and the
+        other rows' logits."""
 
     def open_row(self, row: int, block_table: list[int]) -> None:
         """A sequence took `row` with this block table, fixed until close_row."""
@@ -255,7 +277,7 @@ class Driver(ABC):
             raise DeviceFault(f"{self.backend}: {type(e).__name__}: {e}") from e
         if armed == "fault":
             raise DeviceFault("injected: device fault after the step ran")
-        return out if out.token_ids is not None else pick_from_logits(out.logits, arrays, batch)
+        return out if any(out.picked) else pick_from_logits(out.logits, arrays, batch)
 
     def arm_failure(self, kind: str) -> None:
         """Test hook behind --fault-injection: the next step is refused or faults."""

@@ -9,7 +9,7 @@ import numpy as np
 from ..models import llama, mamba
 from ..plan import DeviceInfo, Plan
 from . import cpu_kernels, mkl_products
-from .base import Driver, RowWork, StepArrays, StepOutput
+from .base import Driver, RowWork, StepArrays, StepOutput, host_logits
 
 CPU_ROWS = 32  # rows a CPU steps at far less than 32x the cost of one (weights read once)
 # Rows fed up to this many tokens attend as paged queries (each token against its row's
@@ -89,7 +89,7 @@ class NumpyDriver(Driver):
     def run_step(self, step: StepArrays, batch: list[RowWork]) -> StepOutput:
         if self.config.family == "mamba":
             logits = mamba.forward(np, self.config, self.model, step)
-            return StepOutput(np.ascontiguousarray(logits, dtype=np.float32))
+            return host_logits(batch, np.ascontiguousarray(logits, dtype=np.float32))
 
         layout = self.layout(step)
         ops = llama.KernelOps(self.config, self.kv, self.kernels) if self.kernels is not None \
@@ -98,7 +98,7 @@ class NumpyDriver(Driver):
         if self.kernels is not None and self.kernels.specializations() != self._specializations:
             self._specializations = self.kernels.specializations()  # a kernel compiled for new types
             self._built()
-        return StepOutput(np.ascontiguousarray(logits, dtype=np.float32))
+        return host_logits(batch, np.ascontiguousarray(logits, dtype=np.float32))
 
     def open_row(self, row: int, block_table: list[int]) -> None:
         super().open_row(row, block_table)

@@ -29,7 +29,7 @@ import numpy as np
 from ..models import llama, mamba
 from ..plan import DeviceInfo, Plan
 from . import wgsl
-from .base import PICK_WORDS, Driver, RowWork, StepArrays, StepOutput
+from .base import PICK_WORDS, Driver, RowWork, StepArrays, StepOutput, host_logits, marked_rows
 from .numpy_driver import host_memory_bytes
 
 HARDWARE = ("DiscreteGPU", "IntegratedGPU")
@@ -397,10 +397,10 @@ class WgpuDriver(Driver):
         queue.submit([encoder.finish()])
         logits = self._read(self.readback, len(host) * row_bytes, np.float32).reshape(len(host), c.vocab_size)
         if not picking:
-            return StepOutput(logits)
+            return host_logits(batch, logits)
         ids = self._read(self.ids_readback, n_logits * 4, np.int32)
         ids[~marked] = -1
-        return StepOutput(logits, ids)
+        return StepOutput(marked_rows(batch, marked), logits, ids)
 
     def _read(self, buffer, nbytes: int, dtype) -> np.ndarray:
         if not nbytes:

@@ -10,7 +10,8 @@ import httpx
 import pytest
 
 from poot.conformance.facts import Facts
-from poot.conformance.metrics import Snapshot, parse_prometheus
+from poot.conformance.metrics import Snapshot
+from poot.conformance.prometheus import parse
 
 SCRAPE = (Path(__file__).parent / "fixtures" / "vllm-0.32.0-cpu-decoding.prom").read_text()
 MODELS = {"object": "list", "data": [{"id": "SmolLM2-135M-Instruct", "object": "model", "owned_by": "vllm",
@@ -29,7 +30,7 @@ def serve(routes: dict[str, tuple[int, object]]) -> httpx.Client:
 
 @pytest.fixture
 def snap() -> Snapshot:
-    return Snapshot(parse_prometheus(SCRAPE), "vllm")
+    return Snapshot(parse(SCRAPE), "vllm")
 
 
 def test_the_engine_iteration_histogram_counts_steps(snap):
@@ -63,7 +64,7 @@ def test_a_vllm_server_is_detected_and_its_facts_read():
     assert facts.need("kind", "rows", "positions", "block_size", "token_budget", "reservation") == {
         "kind": "vllm", "rows": 8, "positions": 4096, "block_size": 128, "token_budget": 512,
         "reservation": "on_demand"}
-    facts.learn_metrics(Snapshot(parse_prometheus(SCRAPE), facts.dialect))
+    facts.learn_metrics(Snapshot(parse(SCRAPE), facts.dialect))
     for name in ("steps", "running", "waiting", "kv_blocks", "prefix_hits"):
         assert facts.has(name), name
     for name in ("prefix_metrics", "step_tokens", "cancelled_counter"):

@@ -184,6 +184,7 @@ def test_tokens_picked_on_the_device_are_the_hosts_picks_from_the_same_logits(ba
         out, on_cpu = gpu.step(batch), cpu.step(batch)
         want = host_picks(logits, batch)
         assert out.token_ids.tolist() == want == on_cpu.token_ids.tolist()
+        assert out.picked == on_cpu.picked == [w.pick is not None and w.num_logits > 0 for w in batch]
         host = np.array(want) < 0
         np.testing.assert_array_equal(out.logits, logits[host])
         marked_somewhere += int((~host).sum())
@@ -225,6 +226,7 @@ def test_a_step_picked_whole_on_the_device_reads_back_no_logits():
         out = gpu.step(batch)
         assert out.logits.shape == (0, model.config.vocab_size)
         assert len(out.token_ids) == sum(w.num_logits for w in batch) and (out.token_ids >= 0).all()
+        assert out.picked == [w.num_logits > 0 for w in batch]
 
 
 def test_compiles_happen_in_prepare_only():

@@ -85,7 +85,43 @@ def test_the_numpy_driver_returns_ids_for_marked_rows_and_logits_for_the_rest():
     want = [int(np.argmax(full.logits[0])), -1, -1, -1, sample(full.logits[4], sampled.params, sampled.uniform(0)), -1, -1]
     assert out.token_ids.tolist() == want
     np.testing.assert_array_equal(out.logits, full.logits[[1, 2, 3, 5, 6]])
+    assert out.picked == [True, False, True, False] and full.picked == [False] * 4
     assert isinstance(driver, NumpyDriver) and plan.rows >= 4
+
+
+def test_a_steps_picked_field_names_the_rows_that_got_token_ids():
+    """`StepOutput.picked`, one flag per batch row, says whose tokens the driver picked: those
+    rows' logit indices hold token ids, the others' logits are the host rows, in batch order.
+    A mid-prefill row (no logits) is never picked, whatever its mark."""
+    engine = make_engine(draft=None)
+    engine.driver.draft_policy = make_draft_policy("ngram", min_ngram=1, full_rows=64)
+    inner, seen = engine.driver.step, []
+
+    def step(batch):
+        out = inner(batch)
+        seen.append((batch, out))
+        return out
+
+    engine.driver.step = step
+    for prompt, params in [("plain " * 30, greedy(6, ignore_eos=True)),
+                           ("ab ab ab ab ab ab", SamplingParams(max_tokens=12, temperature=0.7, seed=5, ignore_eos=True)),
+                           ("logprobs", greedy(4, ignore_eos=True, logprobs=1)),
+                           ("echo " * 3, greedy(3, ignore_eos=True, prompt_logprobs=0))]:
+        submit(engine, prompt, params)
+    run_until_idle(engine)
+    kinds = set()
+    for batch, out in seen:
+        assert out.picked == [w.pick is not None and w.num_logits > 0 for w in batch]
+        i = 0
+        for w, picked in zip(batch, out.picked, strict=True):
+            if picked:
+                assert (out.token_ids[i : i + w.num_logits] >= 0).all()
+            elif out.token_ids is not None:
+                assert (out.token_ids[i : i + w.num_logits] == -1).all()
+            i += w.num_logits
+            kinds.add((picked, w.num_logits > 0))
+        assert len(out.logits) == sum(w.num_logits for w, p in zip(batch, out.picked, strict=True) if not p)
+    assert kinds == {(True, True), (False, True), (False, False)}  # picked, host, mid-prefill rows
 
 
 def test_a_request_picked_on_the_device_ends_as_on_the_host():

@@ -16,7 +16,7 @@ def test_a_request_runs_to_max_tokens_and_returns_everything():
     run_until_idle(engine)
     assert rec.finished.reason == "length"
     assert len(rec.token_ids) == 12 == rec.finished.completion_tokens
-    assert engine.pool.num_free == engine.plan.num_blocks or engine.prefix_cache is not None
+    assert engine.pool.num_free == engine.plan.num_blocks  # cached prefix blocks count as room
     assert engine.metrics()["kv_blocks_reserved"] == 0
 
 

@@ -13,7 +13,7 @@ from poot_mutants.engine_parts import LaxStepCheck, NoPrefillBudget
 from poot.engine import Engine
 from poot.engine.drivers.numpy_driver import NumpyDriver
 from poot.engine.models.synthetic import synthetic_llama
-from poot.engine.plan import DeviceInfo, Plan, fit_plan, idle_prefill_chunk, prefill_chunk
+from poot.engine.plan import DeviceInfo, Plan, fit_plan, idle_prefill_chunk, weight_read_tokens
 
 from .harness import greedy, run_until_idle, submit
 
@@ -100,7 +100,7 @@ def test_the_idle_budget_is_a_whole_number_of_product_widths_above_the_token_bud
     device = DeviceInfo("numpy", "cpu", 1 << 30, parallel_rows=32, flops_per_byte=11.0, token_multiple=16)
     plan = fit_plan(device, model.config, 0)
     assert plan.idle_token_budget % 16 == 0
-    assert plan.idle_token_budget >= idle_prefill_chunk(device) > prefill_chunk(device)
+    assert plan.idle_token_budget >= idle_prefill_chunk(device) > weight_read_tokens(device)
     assert plan.idle_token_budget > plan.token_budget
     # A plan made without one (an older client's, a test's) falls back to the token budget.
     bare = dataclasses.replace(plan, idle_token_budget=0)
@@ -142,12 +142,12 @@ def test_no_prefill_budget_shows_in_the_histogram():
 
 
 def test_prefill_at_most_doubles_a_step_beside_few_decoding_rows():
-    """Beside D decoding rows a step feeds at most 2D + prefill_chunk tokens: a step's cost
-    goes as prefill_chunk + its tokens, so prefill at most doubles what the decoding rows'
+    """Beside D decoding rows a step feeds at most 2D + prefill_beside_decoding tokens: a
+    step's cost goes as prefill_beside_decoding + its tokens, so prefill at most doubles what the decoding rows'
     own step would cost, however few they are (with 4 rows decoding SmolLM2 on two cores, an
     80-token step took 4.8x a 4-token one)."""
     model = synthetic_llama(0)
-    plan = Plan("numpy", 8, 256, 16, 8 * 256 // 16, 40, model.name, idle_token_budget=64, prefill_chunk=6)
+    plan = Plan("numpy", 8, 256, 16, 8 * 256 // 16, 40, model.name, idle_token_budget=64, prefill_beside_decoding=6)
     assert [plan.step_budget(d) for d in range(0, 9)] == [64, 8, 10, 12, 14, 16, 18, 20, 22]
     driver = NumpyDriver()
     driver.prepare(plan, model)
@@ -170,14 +170,14 @@ def test_the_step_budget_rounds_down_to_the_product_width():
     number of widths, but never to the decoding rows' own tokens or below."""
     model = synthetic_llama(0)
     plan = Plan("numpy", 32, 256, 16, 32 * 256 // 16, 80, model.name, idle_token_budget=176,
-                prefill_chunk=22, token_multiple=16)
+                prefill_beside_decoding=22, token_multiple=16)
     assert plan.step_budget(1) == 16 and plan.step_budget(4) == 16
     assert plan.step_budget(8) == 32 and plan.step_budget(12) == 32
     assert plan.step_budget(20) == 48 and plan.step_budget(31) == 80 and plan.step_budget(32) == 80
     assert all(plan.step_budget(d) <= plan.token_budget for d in range(1, 33))
     assert all(plan.step_budget(d) > d for d in range(1, 33))
     assert all(plan.step_budget(d) % 16 == 0 for d in range(1, 33))
-    tiny = dataclasses.replace(plan, prefill_chunk=4)  # 2 * 7 + 4 = 18 rounds to 16; 2 * 5 + 4 = 14 cannot
+    tiny = dataclasses.replace(plan, prefill_beside_decoding=4)  # 2 * 7 + 4 = 18 rounds to 16; 2 * 5 + 4 = 14 cannot
     assert tiny.step_budget(7) == 16 and tiny.step_budget(5) == 14
 
 
@@ -185,7 +185,8 @@ def test_a_fitted_plan_caps_prefill_beside_decoding_rows():
     model = synthetic_llama(5)
     device = DeviceInfo("numpy", "cpu", 1 << 30, parallel_rows=32, flops_per_byte=11.0, token_multiple=16)
     plan = fit_plan(device, model.config, 0)
-    assert plan.prefill_chunk == prefill_chunk(device)
+    assert plan.prefill_beside_decoding == weight_read_tokens(device)
+    assert plan.as_dict()["prefill_chunk"] == plan.prefill_beside_decoding  # the name /health publishes
     assert plan.token_multiple == 16
-    assert plan.token_budget == (2 * 32 + plan.prefill_chunk) // 16 * 16
+    assert plan.token_budget == (2 * 32 + plan.prefill_beside_decoding) // 16 * 16
     assert plan.step_budget(32) == plan.token_budget

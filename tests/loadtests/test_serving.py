@@ -1,4 +1,4 @@
-"""The side-by-side serving benchmark (benchmarks/bench_serving.py, poot.loadtests.serving):
+"""The side-by-side serving benchmark (`poot-load serving`, poot.loadtests.serving):
 its figures on recorded data, a whole run against two throwaway SSE servers, and a short run
 against the bundled server on the synthetic model. Structure and plausibility only: speed is
 what the benchmark prints, never what a test asserts."""
@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from poot.loadtests import serving
+from poot.loadtests import closed_loop, peers, serving, step_metrics
+from poot.loadtests.cli import main as poot_load
 from poot.loadtests.english import SENTENCES, prompt_set
 
 from .fakeserver import FakeServer
@@ -43,10 +44,10 @@ def test_prompt_lengths_in_smollm2_tokens():
 
 def test_bucket_quantile_interpolates_and_clamps():
     buckets = [(0.001, 0.0), (0.01, 50.0), (0.1, 100.0), (float("inf"), 100.0)]
-    assert serving.bucket_quantile(buckets, 0.5) == pytest.approx(0.01)
-    assert serving.bucket_quantile(buckets, 0.75) == pytest.approx(0.055)
-    assert serving.bucket_quantile(buckets, 0.99, largest=0.05) == 0.05
-    assert serving.bucket_quantile([(1.0, 0.0), (float("inf"), 0.0)], 0.5) is None
+    assert step_metrics.bucket_quantile(buckets, 0.5) == pytest.approx(0.01)
+    assert step_metrics.bucket_quantile(buckets, 0.75) == pytest.approx(0.055)
+    assert step_metrics.bucket_quantile(buckets, 0.99, largest=0.05) == 0.05
+    assert step_metrics.bucket_quantile([(1.0, 0.0), (float("inf"), 0.0)], 0.5) is None
 
 
 def test_level_summary_counts_the_measured_window():
@@ -56,7 +57,7 @@ def test_level_summary_counts_the_measured_window():
                _rec(2, "measured", 0.11, ticks), _rec(3, "measured", 0.11, ticks),
                _rec(4, "measured", 0.22, ticks[:9] + [0.2]),
                _rec(5, "cooldown", 0.22, ticks[:5], status="cancelled")]
-    s = serving.level_summary(records, serving.LevelPlan(2, 2, 3, max_tokens=10))
+    s = closed_loop.level_summary(records, closed_loop.LevelPlan(2, 2, 3, max_tokens=10))
     assert s["requests"] == {"measured": 3, "ok": 3, "warmup": 2, "cooldown": 1, "cancelled": 1}
     assert s["errors"] == 0 and s["output_tokens"]["short"] == 0 and s["output_tokens"]["tokens_per_chunk"] == 1
     # Window: 0.11 .. 0.421, the three measured streams and the cool-down's five chunks; the
@@ -81,24 +82,24 @@ def test_metrics_delta_reads_step_histogram_and_compiles():
                    'engine_step_duration_seconds_sum{kind="decode"}': 0.3,
                    'engine_step_duration_seconds_bucket{kind="decode",le="+Inf"}': 20.0,
                    'engine_step_duration_max_seconds{kind="decode"}': 0.05, "engine_steps_total": 20.0})
-    d = serving.metrics_delta(b, a)
+    d = step_metrics.metrics_delta(b, a)
     st = d["steps"]["decode"]
     assert st["count"] == 10 and st["mean_s"] == pytest.approx(0.02) and st["max_grew"] is True
     assert st["p99_s"] <= 0.05 and d["compiles"] == {"before": 11.0, "after": 11.0}
     assert d["totals"]["engine_steps_total"] == 10
-    assert serving.metrics_delta(None, a) == {"available": False}
+    assert step_metrics.metrics_delta(None, a) == {"available": False}
 
 
 def test_server_options():
-    t = serving.parse_targets(["a=my-server --port {port}", "b=http://127.0.0.1:9/"])
+    t = peers.parse_targets(["a=my-server --port {port}", "b=http://127.0.0.1:9/"])
     assert t[0].command and t[1].url == "http://127.0.0.1:9"
-    serving.apply_bodies(t, ['b={"cache_prompt": false}'])
+    peers.apply_bodies(t, ['b={"cache_prompt": false}'])
     assert t[1].extra_body == {"cache_prompt": False} and t[0].extra_body is None
     for bad in (["a=my-server"], ["nourl"], ["a=http://x", "a=http://y"]):
         with pytest.raises(ValueError):
-            serving.parse_targets(bad)
+            peers.parse_targets(bad)
     with pytest.raises(ValueError):
-        serving.apply_bodies(t, ['c={"x": 1}'])
+        peers.apply_bodies(t, ['c={"x": 1}'])
     assert serving.main(["--server", "a=no-port-here"]) == 2
 
 
@@ -134,7 +135,8 @@ def test_two_servers_side_by_side(tmp_path):
         code = serving.main(["--server", f"a={a.url}", "--server", f"b={b.url}", "--extra-body",
                              'b={"cache_prompt": false}', "--concurrency", "1,2", "--requests", "3",
                              "--max-tokens", "6", "--chars-per-token", "1", "--quiet",
-                             "--json", str(tmp_path / "s.json"), "--markdown", str(tmp_path / "s.md")])
+                             "--out", str(tmp_path / "out"), "--json", str(tmp_path / "s.json"),
+                             "--markdown", str(tmp_path / "s.md")])
         assert a.state.running == b.state.running == 0
     assert code == 0
     data = json.loads((tmp_path / "s.json").read_text())
@@ -153,6 +155,7 @@ def test_against_the_bundled_server(tmp_path):
         code = serving.main(["--server", "poot=poot-serve --model synthetic --port {port}",
                              "--server", f"peer={peer.url}", "--concurrency", "1,2", "--requests", "3",
                              "--max-tokens", "8", "--chars-per-token", "1", "--quiet", "--logs", str(tmp_path),
+                             "--out", str(tmp_path / "out"),
                              "--json", str(tmp_path / "s.json")])
     assert code == 0
     data = json.loads((tmp_path / "s.json").read_text())
@@ -168,3 +171,23 @@ def test_against_the_bundled_server(tmp_path):
         assert lv["cached_tokens"] == 0  # the request tag keeps the prefix cache out of it
         assert lv["quiet_before"]["ok"] is True
     assert (tmp_path / "poot.log").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_poot_load_serving_sends_the_key_and_writes_its_report_folder(tmp_path, monkeypatch):
+    """`poot-load serving` against a keyed bundled server: the key reaches discovery, the
+    requests and the scrapes (a keyless /v1/models would be refused and the model unknown),
+    and the folder holds the figures, the tables and the server's log."""
+    out = tmp_path / "report"
+    monkeypatch.setenv("POOT_API_KEY", "sesame")  # the server inherits it: the key is in no command line
+    code = poot_load(["serving", "--server", "poot=poot-serve --model synthetic --port {port}",
+                      "--api-key", "sesame", "--concurrency", "2", "--requests", "2", "--max-tokens", "6",
+                      "--chars-per-token", "1", "--quiet", "--out", str(out)])
+    assert code == 0
+    data = json.loads((out / "serving.json").read_text())
+    _check_run(data, ["poot"], [2], 6, 2)
+    poot = data["servers"][0]
+    assert poot["kind"] == "poot" and poot["model"].startswith("synthetic")
+    assert poot["levels"][0]["metrics"]["available"] is True  # /metrics scraped with the key
+    assert "sesame" not in (out / "serving.json").read_text() + (out / "serving.md").read_text()
+    assert (out / "logs" / "poot.log").stat().st_size > 0

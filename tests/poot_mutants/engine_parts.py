@@ -213,24 +213,24 @@ class PrefillOnlySteps(Scheduler):
 class NoPrefillBudget(Scheduler):
     """Beside decoding rows, a waiting prompt is prefilled whole, whatever the budget."""
 
-    def prefill_chunk(self, seq, budget, decoding):
-        return super().prefill_chunk(seq, len(seq.prompt) if decoding else budget, decoding)
+    def next_prompt_tokens(self, seq, budget, decoding):
+        return super().next_prompt_tokens(seq, len(seq.prompt) if decoding else budget, decoding)
 
 
 class NoIdlePrefillBudget(Scheduler):
     """With no row decoding, a waiting prompt is prefilled whole, whatever the idle budget."""
 
-    def prefill_chunk(self, seq, budget, decoding):
-        return super().prefill_chunk(seq, budget if decoding else len(seq.prompt), decoding)
+    def next_prompt_tokens(self, seq, budget, decoding):
+        return super().next_prompt_tokens(seq, budget if decoding else len(seq.prompt), decoding)
 
 
 class PrefixHitRefeedsPrompt(Scheduler):
     """After a prefix-cache hit the prompt is fed again from its start, at the positions
     after the cached blocks."""
 
-    def prefill_chunk(self, seq, budget, decoding):
+    def next_prompt_tokens(self, seq, budget, decoding):
         if not seq.num_cached:
-            return super().prefill_chunk(seq, budget, decoding)
+            return super().next_prompt_tokens(seq, budget, decoding)
         start = seq.num_computed - seq.num_cached
         return seq.prompt[start : start + min(budget, len(seq.prompt) - seq.num_computed)]
 

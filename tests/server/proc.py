@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -14,15 +13,12 @@ from pathlib import Path
 
 import httpx
 
+from poot.conformance import prometheus
+from poot.conformance.target import free_port
+
 EXE = str(Path(sys.executable).parent / "poot-serve")
 TESTS = str(Path(__file__).resolve().parents[1])
 MUTANTS = (sys.executable, "-m", "poot_mutants.serve")  # the deliberately broken servers (tests only)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
@@ -87,7 +83,7 @@ class Server:
             return parse_sse(r.iter_lines()), r
 
     def metrics(self) -> dict[str, float]:
-        return parse_metrics(self.client.get("/metrics").text)
+        return prometheus.parse_flat(self.client.get("/metrics").text)
 
     def wait_metric(self, name: str, pred, timeout: float = 10.0) -> dict[str, float]:
         deadline = time.monotonic() + timeout
@@ -113,15 +109,6 @@ def parse_sse(lines) -> list:
         events.append("[DONE]" if payload == "[DONE]" else json.loads(payload))
         expect_blank = True
     return events
-
-
-def parse_metrics(text: str) -> dict[str, float]:
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
 
 
 def run_cli(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:

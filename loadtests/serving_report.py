@@ -1,0 +1,120 @@
+"""The serving benchmark's tables: per server and level, and each server's figures over the
+first server's."""
+
+from __future__ import annotations
+
+from poot.loadtests.closed_loop import GAP_RATIO_TARGET
+from poot.loadtests.step_metrics import STEP_KINDS
+
+
+def _ms(x, digits=1) -> str:
+    return "-" if x is None else f"{x * 1e3:.{digits}f}"
+
+
+def _x(x, digits=2) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def line(s: dict) -> str:
+    it = s["itl"]
+    return (f"{s['requests']['measured']} measured, {s['errors']} errors; {_x(s['out_tok_s'], 1)} tok/s; "
+            f"TTFT p50 {_ms(s['ttft']['p50'])} ms; ITL p50 {_ms(it['p50'], 2)} / p99 {_ms(it['p99'], 2)} / "
+            f"max {_ms(it['max'])} ms; worst max/median gap {_x(s['gap_ratio']['worst'], 1)}x")
+
+
+def _ratio(a, b):
+    return (a / b) if (a is not None and b) else None
+
+
+def ratios(result: dict) -> list[dict]:
+    """The first server's figures divided by each other server's, per concurrency."""
+    servers = [s for s in result["servers"] if s.get("levels")]
+    if len(servers) < 2:
+        return []
+    base, out = servers[0], []
+    for other in servers[1:]:
+        theirs = {lv["concurrency"]: lv for lv in other["levels"]}
+        for lv in base["levels"]:
+            o = theirs.get(lv["concurrency"])
+            if o is None:
+                continue
+            out.append({"concurrency": lv["concurrency"], "base": base["name"], "other": other["name"],
+                        "out_tok_s": _ratio(lv["out_tok_s"], o["out_tok_s"]),
+                        "ttft_p50": _ratio(lv["ttft"]["p50"], o["ttft"]["p50"]),
+                        "itl_p50": _ratio(lv["itl"]["p50"], o["itl"]["p50"]),
+                        "itl_p99": _ratio(lv["itl"]["p99"], o["itl"]["p99"]),
+                        "itl_max": _ratio(lv["itl"]["max"], o["itl"]["max"])})
+    return out
+
+
+def markdown(result: dict) -> str:
+    cfg = result["config"]
+    servers = [s for s in result["servers"] if s.get("levels")]
+    lines = ["## Serving, side by side", "",
+             f"Closed loop, C workers each sending its next request when its last one ends; {cfg['prompts']} "
+             f"distinct English prompts (seed {cfg['seed']}), {cfg['max_tokens']} output tokens each "
+             f"(ignore_eos, temperature 0, streamed), /v1/completions; per level "
+             + (f"{cfg['warmup'] if cfg['warmup'] is not None else 'C'} warm-up requests excluded, then "
+                f"{cfg['requests'] if cfg['requests'] is not None else 'max(8, 2C)'} measured"
+                if cfg["seconds"] is None else f"warm-up excluded, then {cfg['seconds']:.0f} s measured")
+             + ". Times in ms; ratios are the first server's figure over the other's (tok/s: above 1 is "
+               "faster; times: below 1 is faster).", "",
+             "| C | server | out tok/s | TTFT p50 | ITL p50 / p99 / max | max/median gap (worst stream) | errors |",
+             "|---:|---|---:|---:|---:|---:|---:|"]
+    by_c: dict[int, list] = {}
+    for s in servers:
+        for lv in s["levels"]:
+            by_c.setdefault(lv["concurrency"], []).append((s["name"], lv))
+    rat = {(r["concurrency"], r["other"]): r for r in ratios(result)}
+    for c in sorted(by_c):
+        for name, lv in by_c[c]:
+            it = lv["itl"]
+            lines.append(f"| {c} | {name} | {_x(lv['out_tok_s'], 1)} | {_ms(lv['ttft']['p50'])} | "
+                         f"{_ms(it['p50'], 2)} / {_ms(it['p99'], 2)} / {_ms(it['max'])} | "
+                         f"{_x(lv['gap_ratio']['worst'], 1)} | {lv['errors']} |")
+        for name, _ in by_c[c][1:]:
+            r = rat.get((c, name))
+            if r:
+                lines.append(f"| {c} | {r['base']} / {name} | {_x(r['out_tok_s'])} | {_x(r['ttft_p50'])} | "
+                             f"{_x(r['itl_p50'])} / {_x(r['itl_p99'])} / {_x(r['itl_max'])} | | |")
+    lines += ["", "### Per server and level", "",
+              f"Max/median gap: each measured stream's largest gap over its median gap (target at 32 streams: "
+              f"at most {GAP_RATIO_TARGET:g}x); worst stream, median stream, and pooled (ITL max / ITL p50). "
+              "Steps (poot's /metrics over the level): count, mean / p50 / p99 ms from the histogram, and the "
+              "longest step since the server started (* when this level set it).", "",
+              "| C | server | measured / warm-up / cool-down | prompt tokens | tokens/chunk | gap ratio worst / "
+              "median / pooled | decode steps | mixed steps | prefill steps | compiles |",
+              "|---:|---|---:|---:|---:|---:|---|---|---|---:|"]
+    for c in sorted(by_c):
+        for name, lv in by_c[c]:
+            rq, pt, g = lv["requests"], lv["prompt_tokens"], lv["gap_ratio"]
+            m = lv.get("metrics") or {}
+            steps = m.get("steps") or {}
+            cells = []
+            for kind in STEP_KINDS:
+                st = steps.get(kind)
+                if not st:
+                    cells.append("-")
+                elif not st["count"]:
+                    cells.append("0")
+                else:
+                    star = "*" if st["max_grew"] else ""
+                    cells.append(f"{st['count']:.0f}: {_ms(st['mean_s'])} / {_ms(st['p50_s'])} / "
+                                 f"{_ms(st['p99_s'])}, max {_ms(st['max_since_start_s'])}{star}")
+            comp = m.get("compiles")
+            comp_s = "-" if not comp else f"{comp['before']:.0f} -> {comp['after']:.0f}"
+            pts = "-" if not pt["count"] else f"{pt['min']:.0f}-{pt['max']:.0f}"
+            lines.append(f"| {c} | {name} | {rq['measured']} / {rq['warmup']} / {rq['cooldown']} | {pts} | "
+                         f"{_x(lv['output_tokens']['tokens_per_chunk'])} | {_x(g['worst'], 1)} / "
+                         f"{_x(g['median'], 1)} / {_x(g['pooled'], 1)} | {' | '.join(cells)} | {comp_s} |")
+    for s in result["servers"]:
+        if s.get("error"):
+            lines += ["", f"**{s['name']}** failed: {s['error']}"]
+        for lv in s.get("levels", []):
+            if lv["error_kinds"]:
+                lines.append(f"- {s['name']} C={lv['concurrency']} errors: "
+                             + "; ".join(f"{k} (x{v})" for k, v in lv["error_kinds"].items()))
+    lines.append("")
+    return "\n".join(lines)
+
+
