@@ -126,15 +126,16 @@ class ServerCommand:
         return "{port}" in self.template
 
     def spawn(self, extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None,
-              port: int | None = None) -> ServerProcess:
-        """Starts the command (not waiting for health); `extra_args` are appended."""
+              port: int | None = None, log_path: str | Path | None = None) -> ServerProcess:
+        """Starts the command (not waiting for health); `extra_args` are appended. Its output
+        goes to `log_path`, else to a temporary file."""
         port = port or free_port()
         command = self.template.replace("{port}", str(port))
         if extra_args:
             command += " " + shlex.join(extra_args)
         if not any(ch in command for ch in ";&|`$()<>\n"):
             command = "exec " + command  # the shell becomes the server: signals reach it directly
-        log = Path(tempfile.mkstemp(prefix="poot-server-", suffix=".log")[1])
+        log = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="poot-server-", suffix=".log")[1])
         with open(log, "wb") as out:
             proc = subprocess.Popen(command, shell=True, stdout=out, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True,

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import httpx
 
+from poot.conformance import prometheus
 from poot.conformance.client import auth_headers
-from poot.conformance.kind import Look, get_json
+from poot.conformance.kind import DISPLAY, Look, get_json
 from poot.loadtests import scrape
 from poot.loadtests.server_proc import poot_serve_exe
 
@@ -30,7 +31,20 @@ class Target:
     command: str | None = None
     url: str | None = None
     extra_body: dict | None = None  # None: chosen from the server's kind (llama.cpp: cache_prompt false)
+    env: dict[str, str] | None = None  # extra environment for a command (the key poot-serve requires)
 
+
+def report_kind(kind: str) -> str:
+    """The kind as the serving report spells it: the suite's, llama.cpp's by its display name."""
+    return DISPLAY[kind] if kind == "llamacpp" else kind
+
+
+def poot_target(model: str | None = None, args: str = "", key: str | None = None) -> Target:
+    """poot-serve on MODEL (default: its own default) with extra options; with a key it
+    requires it (POOT_API_KEY, as `poot-load --serve` does)."""
+    command = shlex.join([poot_serve_exe(), *(["--model", model] if model else []), "--host", "127.0.0.1"])
+    return Target("poot", command=f"{command} --port {{port}}" + (f" {args}" if args.strip() else ""),
+                  env={"POOT_API_KEY": key} if key else None)
 
 
 def server_kind(url: str, key: str | None = None) -> tuple[str, dict]:
@@ -50,26 +64,21 @@ def server_kind(url: str, key: str | None = None) -> tuple[str, dict]:
     return kind, {}
 
 
-def _gauge(m: dict[str, float], name: str) -> float | None:
-    """A series summed over its labels (vLLM labels every one with its engine and model)."""
-    values = [v for k, v in m.items() if k == name or k.startswith(name + "{")]
-    return sum(values) if values else None
-
-
 def wait_quiet(url: str, timeout: float = 60.0, key: str | None = None) -> dict:
     """Until nothing runs: poot's idle check, llama.cpp's requests_processing and requests_deferred
-    or vLLM's running and waiting gauges at 0, or a one-second pause for a server with none."""
-    m = scrape.fetch(url, api_key=key)
-    if m is not None and "engine_requests_running" in m:
+    or vLLM's running and waiting gauges at 0 (each summed over its labels: vLLM labels every
+    one with its engine and model), or a one-second pause for a server with none."""
+    m = scrape.fetch_samples(url, api_key=key)
+    if m is not None and "engine_requests_running" in prometheus.names(m):
         return scrape.wait_idle(url, timeout, api_key=key)
     gauges = next((pair for pair in (("llamacpp:requests_processing", "llamacpp:requests_deferred"),
                                      ("vllm:num_requests_running", "vllm:num_requests_waiting"))
-                   if m is not None and _gauge(m, pair[0]) is not None), None)
+                   if m is not None and prometheus.value(m, pair[0]) is not None), None)
     if gauges is not None:
         start = time.time()
         while time.time() - start < timeout:
-            m = scrape.fetch(url, api_key=key) or {}
-            if not _gauge(m, gauges[0]) and not _gauge(m, gauges[1]):
+            m = scrape.fetch_samples(url, api_key=key) or {}
+            if not prometheus.value(m, gauges[0]) and not prometheus.value(m, gauges[1]):
                 return {"ok": True, "waited_s": time.time() - start}
             time.sleep(0.25)
         return {"ok": False, "waited_s": time.time() - start}
@@ -110,10 +119,10 @@ def vllm_setup() -> tuple[Path, Path] | None:
     return (python, model) if python.is_file() and (model / "model.safetensors").is_file() else None
 
 
-def default_targets(levels: list[int]) -> list[Target]:
-    """poot-serve on its default model, then llama-server on the same GGUF when it is built,
+def default_targets(levels: list[int], poot: Target | None = None) -> list[Target]:
+    """poot-serve (`poot`, else on its default model), then llama-server on the same GGUF when it is built,
     and vLLM's CPU build on the same weights when ci/setup_vllm.sh has set it up."""
-    targets = [Target("poot", command=f"{shlex.quote(poot_serve_exe())} --host 127.0.0.1 --port {{port}}")]
+    targets = [poot if poot is not None else poot_target()]
     binary, gguf = llama_server_binary(), default_gguf()
     if binary is not None and gguf is not None:
         slots = max(32, max(levels))

@@ -19,10 +19,10 @@ TRACKED = ("engine_requests_running", "engine_requests_waiting", "kv_blocks_in_u
            "prefix_cache_hit_tokens_total", "process_resident_memory_bytes")
 
 
-def fetch(url: str, client: httpx.Client | None = None, timeout: float = 2.0,
-          api_key: str | None = None) -> dict[str, float] | None:
-    """One scrape (with the key, for a server whose /metrics needs it); None when the server
-    has no /metrics or does not answer."""
+def fetch_samples(url: str, client: httpx.Client | None = None, timeout: float = 2.0,
+                  api_key: str | None = None) -> prometheus.Samples | None:
+    """One scrape (with the key, for a server whose /metrics needs it), as the suite reads it;
+    None when the server has no /metrics or does not answer."""
     try:
         if client is None:
             r = httpx.get(url.rstrip("/") + "/metrics", timeout=timeout, headers=headers(api_key))
@@ -33,9 +33,16 @@ def fetch(url: str, client: httpx.Client | None = None, timeout: float = 2.0,
     if r.status_code != 200:
         return None
     try:
-        return prometheus.parse_flat(r.text)
+        return prometheus.parse(r.text)
     except prometheus.MetricsFormatError:
         return None
+
+
+def fetch(url: str, client: httpx.Client | None = None, timeout: float = 2.0,
+          api_key: str | None = None) -> dict[str, float] | None:
+    """One scrape with flat keys (prometheus.flat: `name{a="x"}`), for reports that are JSON."""
+    samples = fetch_samples(url, client, timeout, api_key)
+    return None if samples is None else prometheus.flat(samples)
 
 
 class Scraper:

@@ -34,12 +34,22 @@ import time
 
 import httpx
 
+from poot.conformance.kind import DISPLAY
 from poot.loadtests import scrape
 from poot.loadtests.client import discover_model
 from poot.loadtests.closed_loop import LevelPlan, compact, level_summary, run_level
 from poot.loadtests.english import prompt_set
 from poot.loadtests.keys import ENV_VAR, api_key
-from poot.loadtests.peers import Target, apply_bodies, default_targets, parse_targets, server_kind, wait_quiet
+from poot.loadtests.peers import (
+    Target,
+    apply_bodies,
+    default_targets,
+    parse_targets,
+    poot_target,
+    report_kind,
+    server_kind,
+    wait_quiet,
+)
 from poot.loadtests.server_proc import CommandServer
 from poot.loadtests.serving_report import line, markdown, ratios
 from poot.loadtests.step_metrics import metrics_delta
@@ -56,7 +66,7 @@ def run_server(target: Target, plans: list[LevelPlan], prompts: list[str], logs:
         if target.command:
             log = os.path.join(logs, f"{target.name}.log")
             say(f"[{target.name}] starting: {target.command}  (log {log})")
-            server = CommandServer(target.command, startup_timeout, log, name=target.name, api_key=key)
+            server = CommandServer(target.command, startup_timeout, log, name=target.name, env=target.env)
             t0 = time.time()
             url = server.start()
             result["startup_s"] = time.time() - t0
@@ -68,8 +78,8 @@ def run_server(target: Target, plans: list[LevelPlan], prompts: list[str], logs:
         if extra is None:
             extra = {"cache_prompt": False} if kind == "llamacpp" else {}
         model = discover_model(url, key)
-        result.update(kind=kind, info=info, model=model, extra_body=extra)
-        say(f"[{target.name}] {kind} server at {url}, model {model}" + (f", extra body {extra}" if extra else ""))
+        result.update(kind=report_kind(kind), info=info, model=model, extra_body=extra)
+        say(f"[{target.name}] {DISPLAY[kind]} server at {url}, model {model}" + (f", extra body {extra}" if extra else ""))
         k = 0
         for plan in plans:
             quiet = wait_quiet(url, key=key)
@@ -104,8 +114,10 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="poot-load serving", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", help="one running server to measure (the same as --server server=URL)")
-    p.add_argument("--serve", action="store_true", help="measure poot-serve on its default model, started here "
-                   "(with --url or --server: beside them, first)")
+    p.add_argument("--serve", action="store_true", help="measure poot-serve, started here (with --url or --server: "
+                   "beside them, first; without either it is measured anyway)")
+    p.add_argument("--serve-model", help="the model poot-serve loads (default: its own default, SmolLM2)")
+    p.add_argument("--serve-args", default="", help="extra poot-serve options, e.g. '--draft ngram'")
     p.add_argument("--server", action="append", default=[], metavar="NAME=CMD|URL",
                    help="a server: a command line with {port}, or http(s)://URL; repeat for more (default: "
                         "poot-serve on its default model, and llama-server on the same GGUF when it is built)")
@@ -128,7 +140,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--level-timeout", type=float, default=1800.0)
     p.add_argument("--progress-interval", type=float, default=5.0)
     p.add_argument("--api-key", help=f"bearer token sent on every request and scrape (default: ${ENV_VAR}); "
-                                     "never printed or written to the report")
+                                     "poot-serve started here requires it. Never printed or written to the report")
     p.add_argument("--out", help="report folder: serving.json (every figure and record), serving.md (the "
                                  "tables) and the servers' logs (default loadtest-reports/serving-TIMESTAMP)")
     p.add_argument("--logs", help="folder for the servers' logs (default: OUT/logs)")
@@ -140,14 +152,18 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
+    key = api_key(a.api_key)
     try:
         levels = [int(x) for x in a.concurrency.split(",") if x.strip()]
         if not levels or min(levels) < 1:
             raise ValueError("--concurrency: give positive integers, e.g. 1,8,32")
         given = a.server + ([f"server={a.url}"] if a.url else [])
-        targets = parse_targets(given) if given else default_targets(levels)
+        poot = poot_target(a.serve_model, a.serve_args, key)
+        targets = parse_targets(given) if given else default_targets(levels, poot)
         if a.serve and given:
-            targets.insert(0, default_targets(levels)[0])
+            if any(t.name == poot.name for t in targets):
+                raise ValueError(f"--serve: a --server is named {poot.name!r} already")
+            targets.insert(0, poot)
         apply_bodies(targets, a.extra_body)
     except ValueError as exc:
         print(f"poot-load serving: {exc}", file=sys.stderr)
@@ -169,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     say(f"poot-load serving: {len(targets)} servers ({', '.join(t.name for t in targets)}), one after the other; "
         f"levels {levels}; {len(prompts)} prompts, {a.max_tokens} tokens each")
     servers = [run_server(t, plans, prompts, logs, say, not a.no_request_tag, a.startup_timeout,
-                          a.level_timeout, a.progress_interval, api_key(a.api_key)) for t in targets]
+                          a.level_timeout, a.progress_interval, key) for t in targets]
     result = {"config": {"concurrency": levels, "requests": a.requests, "seconds": a.seconds, "warmup": a.warmup,
                          "max_tokens": a.max_tokens, "prompts": len(prompts), "seed": a.seed,
                          "chars_per_token": a.chars_per_token, "request_tag": not a.no_request_tag},

@@ -7,9 +7,11 @@ import json
 
 import pytest
 
-from poot.loadtests import closed_loop, peers, serving, step_metrics
+from poot.loadtests import closed_loop, peers, scrape, serving, step_metrics
 from poot.loadtests.cli import main as poot_load
+from poot.loadtests.client import discover_model
 from poot.loadtests.english import SENTENCES, prompt_set
+from poot.loadtests.server_proc import BundledServer
 
 from .fakeserver import FakeServer
 
@@ -101,6 +103,10 @@ def test_server_options():
     with pytest.raises(ValueError):
         peers.apply_bodies(t, ['c={"x": 1}'])
     assert serving.main(["--server", "a=no-port-here"]) == 2
+    poot = peers.poot_target("synthetic", "--draft ngram", key="k")
+    assert poot.command.endswith("--model synthetic --host 127.0.0.1 --port {port} --draft ngram")
+    assert poot.env == {"POOT_API_KEY": "k"} and peers.poot_target().env is None
+    assert serving.main(["--serve", "--server", "poot=http://127.0.0.1:9"]) == 2  # two servers named poot
 
 
 def _check_run(data, names, levels, max_tokens, measured):
@@ -173,7 +179,6 @@ def test_against_the_bundled_server(tmp_path):
     assert (tmp_path / "poot.log").stat().st_size > 0
 
 
-@pytest.mark.slow
 def test_poot_load_serving_sends_the_key_and_writes_its_report_folder(tmp_path, monkeypatch):
     """`poot-load serving` against a keyed bundled server: the key reaches discovery, the
     requests and the scrapes (a keyless /v1/models would be refused and the model unknown),
@@ -191,3 +196,35 @@ def test_poot_load_serving_sends_the_key_and_writes_its_report_folder(tmp_path, 
     assert poot["levels"][0]["metrics"]["available"] is True  # /metrics scraped with the key
     assert "sesame" not in (out / "serving.json").read_text() + (out / "serving.md").read_text()
     assert (out / "logs" / "poot.log").stat().st_size > 0
+
+
+def test_poot_load_serving_serve_starts_a_keyed_bundled_server(tmp_path, monkeypatch):
+    """`poot-load serving --serve` with --api-key: the poot-serve it starts requires the key
+    (POOT_API_KEY in its environment, as `poot-load --serve` does), and a tiny bounded run
+    against it writes its report folder. No llama-server or vLLM is found beside it here."""
+    monkeypatch.setenv("LLAMA_SERVER", str(tmp_path / "no-llama-server"))
+    monkeypatch.setenv("VLLM_CACHE", str(tmp_path / "no-vllm"))
+    monkeypatch.delenv("VLLM_VENV", raising=False)
+    monkeypatch.delenv("POOT_API_KEY", raising=False)
+    out = tmp_path / "report"
+    code = poot_load(["serving", "--serve", "--serve-model", "synthetic", "--api-key", "sesame",
+                      "--concurrency", "1", "--requests", "2", "--warmup", "1", "--max-tokens", "4",
+                      "--chars-per-token", "1", "--quiet", "--out", str(out)])
+    assert code == 0
+    data = json.loads((out / "serving.json").read_text())
+    _check_run(data, ["poot"], [1], 4, 2)
+    poot = data["servers"][0]
+    assert poot["kind"] == "poot" and poot["model"].startswith("synthetic") and poot["exit_code"] is not None
+    assert "sesame" not in (out / "serving.json").read_text() + (out / "serving.md").read_text()
+    assert (out / "serving.md").read_text().startswith("## Serving, side by side")
+    assert "Authorization" not in (out / "logs" / "poot.log").read_text()
+
+
+def test_discovery_sends_the_key(tmp_path):
+    """A keyed bundled server lists its models only to the key: discovery and the server's
+    kind are asked with it; without it the model is unknown ("default")."""
+    with BundledServer(log_path=str(tmp_path / "server.log"), api_key="sesame") as url:
+        assert discover_model(url, "sesame").startswith("synthetic")
+        assert discover_model(url) == "default"  # refused: 401 without the key
+        assert peers.server_kind(url, "sesame")[0] == "poot"
+        assert scrape.fetch(url, api_key="sesame")["engine_requests_running"] == 0
