@@ -44,6 +44,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -63,13 +64,16 @@ def _model():
     """The default model's weights as a step uses them (fused, norms folded) and its plan."""
     from poot.engine.drivers.numpy_driver import NumpyDriver
     from poot.engine.models import load_model
-    from poot.engine.models.llama import prepare_llama
+    from poot.engine.models.llama import prepare
     from poot.engine.plan import fit_plan
 
     model = load_model(None)
     driver = NumpyDriver()
     plan = fit_plan(driver.device(), model.config, driver.weight_bytes(model), model.name)
-    return model.config, prepare_llama(model.config, model.weights, plan.positions), plan
+    w = prepare(model.config, model.weights, plan.positions)
+    names = ("wqkv", "wo", "w_gate_up", "w_down")
+    layers = [{n: w[f"layers.{i}.{n}"] for n in names} for i in range(model.config.num_layers)]
+    return model.config, SimpleNamespace(layers=layers, lm_head=w["lm_head"]), plan
 
 
 def step_weights(prepared) -> list[np.ndarray]:
@@ -156,14 +160,14 @@ class Driver(Library):
         return lambda x: self.kernels.matmul(w, x)
 
     def attention(self, q, k, v):
-        from poot.engine.models import llama
+        from poot.engine.drivers import cpu_attention
 
         c = self.config
         prompt = q.shape[2]
         blocks = -(-prompt // 16)
         caches = []
         for layer in range(c.num_layers):  # a cache per layer, as a step reads them
-            cache = np.zeros(llama.kv_cache_shape(c, blocks, 16), np.float32)
+            cache = np.zeros(cpu_attention.kv_cache_shape({"kv_heads": c.num_kv_heads, "head_dim": c.head_dim}, blocks, 16), np.float32)
             cache[0].reshape(c.num_kv_heads, -1, c.head_dim)[:, :prompt] = k[layer]
             cache[1].reshape(c.num_kv_heads, -1, c.head_dim)[:, :prompt] = v[layer]
             caches.append(cache)
@@ -172,7 +176,7 @@ class Driver(Library):
 
         def run():
             for layer in range(c.num_layers):
-                llama.attention(np, qs[layer], caches[layer], None, [(0, prompt, prompt, table, None)],
+                cpu_attention.attention(np, qs[layer], caches[layer], None, [(0, prompt, prompt, table, None)],
                                 c.num_kv_heads, self.kernels)
         return run
 

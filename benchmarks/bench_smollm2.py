@@ -187,12 +187,13 @@ class Bench:
         act = np.full((c.intermediate_size, tokens), 0.01, np.float32)
 
         def run():
-            for layer in d.model.layers:
-                mm(layer["wqkv"], x)
-                mm(layer["wo"], x)
-                mm(layer["w_gate_up"], x)
-                mm(layer["w_down"], act)
-            return mm(d.model.lm_head, x[:, :logits])
+            w = d.weights
+            for i in range(c.num_layers):
+                mm(w[f"layers.{i}.wqkv"], x)
+                mm(w[f"layers.{i}.wo"], x)
+                mm(w[f"layers.{i}.w_gate_up"], x)
+                mm(w[f"layers.{i}.w_down"], act)
+            return mm(w["lm_head"], x[:, :logits])
         return run
 
     # ---- bounds -------------------------------------------------------------------------

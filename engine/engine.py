@@ -24,7 +24,6 @@ import numpy as np
 
 from . import choices, logits_processors, logprobs
 from .blocks import BlockPool
-from .drivers.base import DeviceFault, Driver, RowWork, StepOutput, StepRefused
 from .events import Accepted, Event, Finished, PromptLogprobs, Rejected, RequestHandle, Tokens
 from .params import InvalidRequest, SamplingParams
 from .picker import Picked, Picker
@@ -34,6 +33,7 @@ from .random_stream import RandomStream, random_stream
 from .scheduler import Scheduled, Scheduler
 from .sequence import Sequence
 from .speculative import make_draft_policy
+from .step import DeviceFault, RowWork, StepOutput, StepRefused
 from .step_times import StepTimes, kind_of
 from .step_tokens import StepTokens
 from .stops import StopChecker
@@ -74,7 +74,7 @@ class _Job:
 
 
 class Engine:
-    def __init__(self, model, driver: Driver, plan: Plan, draft_policy=None, *,
+    def __init__(self, model, driver, plan: Plan, draft_policy=None, *,
                  scheduler: type[Scheduler] = Scheduler, prefix_cache: type[PrefixCache] = PrefixCache,
                  stop_checker: type[StopChecker] = StopChecker,
                  random_stream: Callable[[int | None, int], RandomStream] = random_stream):
@@ -114,7 +114,7 @@ class Engine:
         self._published = self._snapshot()
 
     @classmethod
-    def create(cls, model, backend: str = "auto", draft: str | None = None, driver: Driver | None = None,
+    def create(cls, model, backend: str = "auto", draft: str | None = None, driver=None,
                **parts) -> Engine:
         """Fits the plan to the driver's device and prepares the driver; `parts` go to __init__."""
         from .drivers import make_driver

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import logits_processors, sampler
-from .drivers.base import Pick
 from .logprobs import TokenLogprob, token_logprob
 from .sequence import Sequence
+from .step import Pick
 
 
 @dataclass(slots=True, frozen=True)

@@ -21,10 +21,10 @@ import numpy as np
 
 from . import choices
 from .blocks import BlockPool
-from .drivers.base import RowWork
 from .plan import Plan
 from .prefix_cache import PrefixCache
 from .sequence import Sequence, Status
+from .step import RowWork
 
 
 @dataclass(slots=True)

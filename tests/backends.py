@@ -1,8 +1,9 @@
 """The backends the engine's backend-parametrized tests run on, and a driver for each.
 
-`POOT_TEST_BACKENDS` (comma-separated; default numpy,wgpu,vulkan) chooses them: `tox -e
-vulkan` sets it to vulkan alone. A backend with no adapter on this machine is skipped with
-the reason its driver gives, which says what to install.
+`POOT_TEST_BACKENDS` (comma-separated; default numpy,wgpu,vulkan,ptx,rocm) chooses them:
+`tox -e vulkan` sets it to vulkan alone, `tox -e ptx` to ptx. A backend with no adapter or
+device on this machine is skipped with the reason its driver gives, which says what to
+install or what is missing (ptx and rocm: CuPy, its platform, a device).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import pytest
 os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
 os.environ.setdefault("LP_NUM_THREADS", "2")
 
-ALL = ("numpy", "wgpu", "vulkan")
+ALL = ("numpy", "wgpu", "vulkan", "ptx", "rocm")
+CUPY = ("ptx", "rocm")
 
 
 def selected() -> list[str]:
@@ -32,6 +34,17 @@ def selected() -> list[str]:
 def missing(backend: str) -> str | None:
     """Why `backend` cannot run here, or None."""
     if backend == "numpy":
+        return None
+    if backend in CUPY:
+        from poot.engine.drivers import cupy_device
+
+        try:
+            cupy_device.check_arch(cupy_device.probe(backend), backend)
+            cupy_device.check_toolchain(backend)
+        except cupy_device.NoDevice as e:
+            return str(e)
+        if backend == "rocm":  # a ROCm device, but nothing to run on it yet
+            return "the rocm driver has no kernels yet: engine/drivers/cuda's have no HIP build"
         return None
     from poot.engine.drivers.wgpu_driver import NoAdapter, pick_adapter
 
@@ -51,6 +64,10 @@ def driver_factory(backend: str):
         from poot.engine.drivers.numpy_driver import NumpyDriver
 
         return NumpyDriver
+    if backend in CUPY:
+        from poot.engine.drivers.cupy_driver import CupyDriver
+
+        return functools.partial(CupyDriver, backend)
     from poot.engine.drivers.wgpu_driver import WgpuDriver
 
     return functools.partial(WgpuDriver, backend)

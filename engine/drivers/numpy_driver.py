@@ -6,10 +6,14 @@ import os
 
 import numpy as np
 
-from ..models import llama, mamba
+from ..models import family
+from ..ops import PAGED_OPS, STATE_OPS
 from ..plan import DeviceInfo, Plan
+from ..step import RowWork, StepArrays, StepOutput, host_logits
 from . import cpu_kernels, mkl_products
-from .base import Driver, RowWork, StepArrays, StepOutput, host_logits
+from .base import Driver
+from .cpu_attention import StepLayout, kv_cache_shape, step_layout
+from .cpu_ops import ArrayOps, KernelOps
 
 CPU_ROWS = 32  # rows a CPU steps at far less than 32x the cost of one (weights read once)
 # Rows fed up to this many tokens attend as paged queries (each token against its row's
@@ -49,52 +53,56 @@ class NumpyDriver(Driver):
         return self._want_kernels and self._want_mkl and cpu_kernels.available() and mkl_products.available()
 
     def weight_bytes(self, model) -> int:
-        """The weights, plus MKL's packed copy of every large matrix when the products will
-        run there (the few-token kernel still reads the originals)."""
+        """The weights, plus MKL's packed copy of every large matrix a product reads when the
+        products will run there (the few-token kernel still reads the originals)."""
         total = super().weight_bytes(model)
-        if model.config.family != "mamba" and self._uses_mkl():
+        if self._uses_mkl():
             total += sum(w.nbytes for w in model.weights.values()
                          if w.ndim == 2 and w.size >= mkl_products.MIN_PACKED_WEIGHTS)
         return total
 
     def prepare(self, plan: Plan, model) -> None:
         self.plan = plan
-        self.config = model.config
-        if model.config.family == "mamba":  # recurrent: one state slot per row, no KV pool
-            self.model = mamba.prepare_mamba(model.config, model.weights, plan.state_slots or plan.rows, np)
-            self._built()
-            return
-        self.model = llama.prepare_llama(model.config, model.weights, plan.positions, np)
+        fam = family(model.config)
+        self.program = program = fam.program(model.config)
+        self.weights = fam.prepare(model.config, model.weights, plan.positions)
         self._built()
         if self._want_kernels and cpu_kernels.available():
             for _ in range(cpu_kernels.compile()):
                 self._built()
-            weights = [w for layer in self.model.layers for w in layer.values()]
+            products = {w for op in program.ops if op.name in ("matmul", "matmul_add") for w in op.weights}
+            head = [self.weights[w] for op in program.ops if op.name == "head" for w in op.weights]
             # Packing the weights for MKL is part of preparing them, not a compile of its own.
-            self.kernels = cpu_kernels.Kernels(weights, use_mkl=self._want_mkl, head=self.model.lm_head)
+            self.kernels = cpu_kernels.Kernels([self.weights[w] for w in sorted(products)], use_mkl=self._want_mkl,
+                                               head=head[0] if head else None)
             self._specializations = cpu_kernels.specializations()
-        shape = llama.kv_cache_shape(model.config, plan.num_blocks, plan.block_size)
-        # The pool is written through now, not on first use: a page's first touch costs far
-        # more than a read (measured in a VM: the first 32-row step over fresh blocks took
-        # 2.5 s against 0.14 s), and the pool's blocks are handed out round the whole pool,
-        # so lazily mapped pages would stall steps, and grow the process, for as long as
-        # any block was still untouched. The plan counted this memory at fitting anyway.
-        self.kv = []
-        for _ in range(model.config.num_layers):
-            layer = np.empty(shape, np.float32)
-            layer.fill(0)
-            self.kv.append(layer)
+        dims, layers = program.dims, program.layers
+        self.kv = self.state = None
+        if program.paged:
+            shape = kv_cache_shape(dims, plan.num_blocks, plan.block_size)
+            # The pool is written through now, not on first use: a page's first touch costs far
+            # more than a read (measured in a VM: the first 32-row step over fresh blocks took
+            # 2.5 s against 0.14 s), and the pool's blocks are handed out round the whole pool,
+            # so lazily mapped pages would stall steps, and grow the process, for as long as
+            # any block was still untouched. The plan counted this memory at fitting anyway.
+            self.kv = [None] * (max(layers(PAGED_OPS)) + 1)
+            for i in layers(PAGED_OPS):
+                layer = np.empty(shape, np.float32)
+                layer.fill(0)
+                self.kv[i] = layer
+        if program.recurrent:  # one state slot per row, no KV pool
+            rows, di = plan.state_slots or plan.rows, dims["d_inner"]
+            self.state = [None] * (max(layers(STATE_OPS)) + 1)
+            for i in layers(STATE_OPS):
+                self.state[i] = (np.zeros((rows, dims["d_conv"] - 1, di), np.float32),
+                                 np.zeros((rows, di, dims["d_state"]), np.float32))
         self._built()
 
     def run_step(self, step: StepArrays, batch: list[RowWork]) -> StepOutput:
-        if self.config.family == "mamba":
-            logits = mamba.forward(np, self.config, self.model, step)
-            return host_logits(batch, np.ascontiguousarray(logits, dtype=np.float32))
-
-        layout = self.layout(step)
-        ops = llama.KernelOps(self.config, self.kv, self.kernels) if self.kernels is not None \
-            else llama.ArrayOps(np, self.config, self.kv)
-        logits = llama.forward(ops, self.model, layout)
+        layout = self.layout(step) if self.program.paged else None
+        ops = KernelOps(self.program, self.weights, self.kv, self.state, self.kernels) if self.kernels is not None \
+            else ArrayOps(self.program, self.weights, self.kv, self.state)
+        logits = ops.run(step, layout)
         if self.kernels is not None and self.kernels.specializations() != self._specializations:
             self._specializations = self.kernels.specializations()  # a kernel compiled for new types
             self._built()
@@ -102,16 +110,18 @@ class NumpyDriver(Driver):
 
     def open_row(self, row: int, block_table: list[int]) -> None:
         super().open_row(row, block_table)
-        if self.config.family == "mamba":
+        if self.program.recurrent:
             self.start_fresh_row(row)
 
     def start_fresh_row(self, row: int) -> None:
-        """A recurrent family: a row opened by a new sequence starts from zero state."""
-        mamba.reset_rows(self.model, [row])
+        """A recurrent program: a row opened by a new sequence starts from zero state."""
+        for conv, ssm in filter(None, self.state):
+            conv[row] = 0
+            ssm[row] = 0
 
-    def layout(self, step: StepArrays) -> llama.StepLayout:
+    def layout(self, step: StepArrays) -> StepLayout:
         """Where each fed token sits: positions, KV slots, and which rows attend in place.
         With the kernels, rows of up to PAGED_ROW_TOKENS tokens (decode, speculative
         verification) attend in place; without them only decode rows are paged queries."""
         paged_upto = PAGED_ROW_TOKENS if self.kernels is not None else 1
-        return llama.step_layout(step, self.tables, paged_upto)
+        return step_layout(step, self.tables, paged_upto)

@@ -13,12 +13,11 @@ The plan is fitted to the adapter's limits: one storage binding holds at most
 is bound in windows of rows (each its own buffer and bind group), and each layer's KV must
 fit one binding.
 
-Families: Llama (attention over the paged KV cache) and Mamba (per-row recurrent state).
-Each prepares its own layers as a list of dispatches (`program`); the embedding, the final
-norm, the head and the pick are shared.
+Any family: `prepare()` records the dispatches of the family's program (engine/ops.py) op by
+op, each op's kernel and bind groups as wgpu_ops.py implements it, and the pick after them.
 
-KV layout (the driver's own): per layer a K and a V buffer of float32, (slot, kv head,
-head_dim) with slot = block * block_size + offset. Mamba's state: per layer a conv buffer
+KV layout (the driver's own): per paged layer a K and a V buffer of float32, (slot, kv head,
+head_dim) with slot = block * block_size + offset. Recurrent state: per layer a conv buffer
 (row, d_conv - 1, d_inner) and an SSM buffer (row, d_inner, d_state), zeroed by open_row.
 """
 
@@ -26,11 +25,24 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..models import llama, mamba
+from ..models import family
+from ..ops import PAGED_OPS, PICK, STATE_OPS
 from ..plan import DeviceInfo, Plan
+from ..step import PICK_WORDS, RowWork, StepArrays, StepOutput, host_logits, marked_rows
 from . import wgsl
-from .base import PICK_WORDS, Driver, RowWork, StepArrays, StepOutput, host_logits, marked_rows
+from .base import Driver
 from .numpy_driver import host_memory_bytes
+from .wgpu_ops import (
+    KERNEL,
+    MATMUL_LAYOUT,
+    PRODUCTS,
+    SOURCES,
+    WgpuOps,
+    exact_widths,
+    kernel_sizes,
+    pick_sizes,
+    vec4s,
+)
 
 HARDWARE = ("DiscreteGPU", "IntegratedGPU")
 INSTALL_HINT = ("install a Vulkan driver and loader (Debian/Ubuntu: apt-get install mesa-vulkan-drivers libvulkan1, "
@@ -89,7 +101,7 @@ def _windows(rows: int, cols: int, limit: int) -> list[tuple[int, int]]:
     return [(r, min(per, rows - r)) for r in range(0, rows, per)]
 
 
-class WgpuDriver(Driver):
+class WgpuDriver(WgpuOps, Driver):
     def __init__(self, backend: str = "wgpu", adapter=None, memory_bytes: int | None = None,
                  device_picks: bool = True):
         super().__init__()
@@ -122,64 +134,86 @@ class WgpuDriver(Driver):
     # ---- prepare: every buffer, pipeline and bind group a step uses ----------------------
 
     def prepare(self, plan: Plan, model) -> None:
-        c = self.config = model.config
-        if c.family not in ("llama", "mamba"):
-            raise ValueError(f"the {self.backend} driver serves the Llama and Mamba families, not {c.family}")
+        c = model.config
+        fam = family(c)
+        self.program = program = fam.program(c)
+        self.weights = fam.prepare(c, model.weights, plan.positions)
         self.plan = plan
         dev, wgpu = self.device_, self.wgpu
         self.tmax = tmax = plan.max_step_tokens
-        d, vocab = c.hidden_size, c.vocab_size
-        if d % 4:
-            raise ValueError(f"the {self.backend} driver needs hidden a multiple of 4, not {d}")
+        self.vocab = vocab = program.dims["vocab"]
+        # The products read their input as vec4s: those buffers' rows are padded to whole vec4s.
+        inputs = {op.reads[0] for op in program.ops if op.name in PRODUCTS}
+        self.padded = {name: vec4s(w) if name in inputs else w for name, w in program.widths.items()}
+        for op in program.ops:
+            for name in exact_widths(op):
+                if program.widths[name] % 4:
+                    raise ValueError(f"the {self.backend} driver needs {name}'s width a multiple of 4, "
+                                     f"not {program.widths[name]}")
+        self.eps_bits = int(np.float32(program.eps).view(np.uint32))
 
-        # What every family's step uses: the step's index arrays and counts, the picks, the
-        # read-back buffers, and the kernels of the embedding, the norms, the products, the pick.
+        # The step's index arrays and counts, the picks, the read-back buffers.
         self.index = self._storage(wgsl.INDEX_SECTIONS * tmax * 4)
         self.index_host = np.zeros(wgsl.INDEX_SECTIONS * tmax, np.int32)
         self.step_uniform = dev.create_buffer(size=16, usage=wgpu.BufferUsage.UNIFORM | wgpu.BufferUsage.COPY_DST)
         self.readback = dev.create_buffer(size=tmax * vocab * 4, usage=wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST)
-        self.picks = self._storage(tmax * PICK_WORDS * 4)  # each logit index's pick words (base.pick_words)
+        self.picks = self._storage(tmax * PICK_WORDS * 4)  # each logit index's pick words (step.pick_words)
         self.ids = self._storage(tmax * 4)  # the token picked at each logit index
         self.ids_readback = dev.create_buffer(size=max(16, tmax * 4), usage=wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST)
         self.zeros = self._upload(np.zeros(4, np.float32))
-        kinds = {"matmul": "uurrw", "embed": "uurrw", "rms": "uurrrw", "pick": "uuwrw"}
-        sources = {"embed": wgsl.EMBED, "rms": wgsl.RMS, "pick": wgsl.PICK}
-        sizes = dict(TMAX=tmax, VOCAB=vocab, PICK_WORDS=PICK_WORDS,
-                     PICK_WG=GPU_PICK_WG if is_hardware(self.adapter) else CPU_ADAPTER_PICK_WG)
-        if c.family == "llama":
-            prepared = llama.prepare_llama(c, model.weights, plan.positions, np)
-            widths = self._llama_kernels(kinds, sources, sizes)
-        else:
-            prepared = mamba.prepare_mamba(c, model.weights, 0, np)
-            widths = self._mamba_kernels(kinds, sources, sizes)
         # Activations, sized to the plan's largest step.
         self.buf = {}
-        for name, width in {"x": d, "h": d, "hl": d, "logits": vocab, **widths}.items():
+        for name, width in self.padded.items():
             self._within(f"the {name} activations", tmax * width * 4)
             self.buf[name] = self._storage(tmax * width * 4)
-        self.layouts = {k: self._bind_layout(v) for k, v in kinds.items()}
-        self.pipelines = {}
-        for tile in wgsl.MATMUL_TILES:
-            self.pipelines[("matmul", tile)] = self._pipeline(wgsl.MATMUL[tile], self.layouts["matmul"])
-        for name, src in sources.items():
-            self.pipelines[name] = self._pipeline(wgsl.source(src, **sizes), self.layouts[name])
+        self._caches(program, plan)
 
-        # Bind groups: every dispatch of a step, recorded once here in `program` as
-        # (kernel, bind group, invocations per token, workgroup size), or ("products",
-        # [(bind group, rows)], None, None) for the windows of one weight's product.
-        b = self.buf
-        eps = int(np.float32(c.rms_eps).view(np.uint32))
-        self.embed_calls = [("embed", self._group("embed", (d // 4, r0, n), [w, self.index, b["x"]]), d // 4, 64)
-                            for r0, n, w in self._weight(prepared.embed)]
-        self.program = list(self.embed_calls)
-        if c.family == "llama":
-            self.program += self._llama_layers(prepared, eps)
-        else:
-            self.program += self._mamba_layers(prepared, eps)
-        self.norm = self._upload(prepared.norm)
-        self.final_rms = self._group("rms", (d // 4, 1, eps), [b["x"], self.index, self.norm, b["hl"]])
-        self.head_calls = self._products(prepared.lm_head, b["hl"], b["logits"], vocab, logits=True)
-        self.pick_call = self._group("pick", (vocab,), [b["logits"], self.picks, self.ids])
+        ops = [*program.ops, PICK]
+        kernels = list(dict.fromkeys(KERNEL[op.name] for op in ops))
+        sizes = dict(TMAX=tmax, **pick_sizes(vocab, GPU_PICK_WG if is_hardware(self.adapter) else CPU_ADAPTER_PICK_WG),
+                     **kernel_sizes(program, self.padded, plan.block_size, self.max_blocks))
+        self.layouts = {k: self._bind_layout(SOURCES[k][1] if k != "matmul" else MATMUL_LAYOUT) for k in kernels}
+        self.pipelines = {}
+        for kernel in kernels:
+            if kernel == "matmul":
+                for tile in wgsl.MATMUL_TILES:
+                    self.pipelines[("matmul", tile)] = self._pipeline(wgsl.MATMUL[tile], self.layouts["matmul"])
+            else:
+                self.pipelines[kernel] = self._pipeline(wgsl.source(SOURCES[kernel][0], **sizes), self.layouts[kernel])
+
+        # Bind groups: every dispatch of a step, recorded once here from the program's ops.
+        self._uploaded = {}
+        self.recorded = [(op, self.record(op)) for op in program.ops]
+        self.pick_calls = self.record(PICK)
+
+    def _caches(self, program, plan: Plan) -> None:
+        """Each paged layer's K and V buffers, (slot, kv head, head_dim), and the rows' block
+        tables; each recurrent layer's conv (row, d_conv - 1, d_inner) and SSM (row, d_inner,
+        d_state) state, zeroed by open_row."""
+        d = program.dims
+        self.max_blocks = -(-plan.positions // plan.block_size)
+        self.kv, self.state = {}, {}
+        if program.paged:
+            self.device_tables = self._storage(plan.rows * self.max_blocks * 4)
+            slots, kv_size = plan.num_blocks * plan.block_size, d["kv_heads"] * d["head_dim"]
+            self._within("one layer's K cache", slots * kv_size * 4)
+            for i in program.layers(PAGED_OPS):
+                self.kv[i] = (self._storage(slots * kv_size * 4), self._storage(slots * kv_size * 4))
+        if program.recurrent:
+            rows, di = plan.state_slots or plan.rows, d["d_inner"]
+            self.conv_row_bytes, self.ssm_row_bytes = (d["d_conv"] - 1) * di * 4, di * d["d_state"] * 4
+            self._within("one layer's SSM state", rows * self.ssm_row_bytes)
+            for i in program.layers(STATE_OPS):
+                self.state[i] = (self._storage(rows * self.conv_row_bytes), self._storage(rows * self.ssm_row_bytes))
+            self.zero_state = np.zeros(max(self.conv_row_bytes, self.ssm_row_bytes) // 4, np.float32)
+
+    @property
+    def embed_calls(self) -> list:
+        return [call for op, calls in self.recorded if op.name == "embed" for call in calls]
+
+    @property
+    def head_calls(self) -> list:
+        return [window for op, calls in self.recorded if op.name == "head" for call in calls for window in call[1]]
 
     def _storage(self, nbytes: int):
         u = self.wgpu.BufferUsage
@@ -193,97 +227,6 @@ class WgpuDriver(Driver):
         if nbytes > self.max_binding:
             raise ValueError(f"{name} ({nbytes} bytes) exceeds the adapter's storage binding limit "
                              f"({self.max_binding} bytes); the plan's step is too large for it")
-
-    # ---- the Llama family: attention over the paged KV cache ----------------------------
-
-    def _llama_kernels(self, kinds: dict, sources: dict, sizes: dict) -> dict[str, int]:
-        """Adds the family's kernels; returns its activations' widths."""
-        c, plan = self.config, self.plan
-        heads, kvh, hd, inter = c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
-        for name, n in (("head_dim", hd), ("intermediate", inter)):
-            if n % 4:
-                raise ValueError(f"the {self.backend} driver needs {name} a multiple of 4, not {n}")
-        self.max_blocks = -(-plan.positions // plan.block_size)
-        kinds |= {"rope": "uurrrwww", "attention": "uurrrrrw", "silu": "uurw"}
-        sources |= {"rope": wgsl.ROPE_STORE, "attention": wgsl.ATTENTION, "silu": wgsl.SILU_MUL}
-        sizes |= dict(HEADS=heads, KVH=kvh, HALF=hd // 2, GROUP=heads // kvh, HD4=hd // 4,
-                      BS=plan.block_size, MAXB=self.max_blocks)
-        q_size, kv_size = heads * hd, kvh * hd
-        return {"qkv": q_size + 2 * kv_size, "q": q_size, "att": q_size, "gu": 2 * inter, "act": inter}
-
-    def _llama_layers(self, prepared, eps: int) -> list:
-        c, plan, b = self.config, self.plan, self.buf
-        d, heads, kvh, hd, inter = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
-        q_size, kv_size = heads * hd, kvh * hd
-        self.device_tables = self._storage(plan.rows * self.max_blocks * 4)
-        rope = np.ascontiguousarray(prepared.rope).view(np.float32)  # (positions, hd / 2, [cos, sin])
-        self.rope = self._upload(rope)
-        slots = plan.num_blocks * plan.block_size
-        self._within("one layer's K cache", slots * kv_size * 4)
-        self.kv = [(self._storage(slots * kv_size * 4), self._storage(slots * kv_size * 4)) for _ in range(c.num_layers)]
-        program = []
-        for i, layer in enumerate(prepared.layers):
-            kc, vc = self.kv[i]
-            program += [
-                ("rms", self._group("rms", (d // 4, 0, eps), [b["x"], self.index, self.zeros, b["h"]]), 1, 64),
-                ("products", self._products(layer["wqkv"], b["h"], b["qkv"], q_size + 2 * kv_size), None, None),
-                ("rope", self._group("rope", (), [b["qkv"], self.index, self.rope, b["q"], kc, vc]),
-                 (heads + kvh) * (hd // 2), 64),
-                ("attention", self._group("attention", (), [b["q"], kc, vc, self.index, self.device_tables, b["att"]]),
-                 heads, 16),
-                ("products", self._products(layer["wo"], b["att"], b["x"], d, accumulate=True), None, None),
-                ("rms", self._group("rms", (d // 4, 0, eps), [b["x"], self.index, self.zeros, b["h"]]), 1, 64),
-                ("products", self._products(layer["w_gate_up"], b["h"], b["gu"], 2 * inter), None, None),
-                ("silu", self._group("silu", (inter,), [b["gu"], b["act"]]), inter, 64),
-                ("products", self._products(layer["w_down"], b["act"], b["x"], d, accumulate=True), None, None),
-            ]
-        return program
-
-    # ---- the Mamba family: per-row recurrent state --------------------------------------
-
-    def _mamba_kernels(self, kinds: dict, sources: dict, sizes: dict) -> dict[str, int]:
-        c = self.config
-        if c.d_inner % 4:
-            raise ValueError(f"the {self.backend} driver needs d_inner a multiple of 4, not {c.d_inner}")
-        self.dbc_width = -(-(c.dt_rank + 2 * c.d_state) // 4) * 4  # dt's input, B, C; padded to whole vec4s
-        kinds |= {name: layout for name, (_, layout) in wgsl.MAMBA_KERNELS.items()}
-        sources |= {name: source for name, (source, _) in wgsl.MAMBA_KERNELS.items()}
-        sizes |= dict(DI=c.d_inner, KC=c.d_conv, DS=c.d_state, W=self.dbc_width, R=c.dt_rank)
-        di = c.d_inner
-        return {"xz": 2 * di, "xs": di, "dbc": self.dbc_width, "dtr": di, "y": di}
-
-    def _mamba_layers(self, prepared, eps: int) -> list:
-        c, plan, b = self.config, self.plan, self.buf
-        d, di, ds, r, kc = c.hidden_size, c.d_inner, c.d_state, c.dt_rank, c.d_conv
-        rows = plan.state_slots or plan.rows
-        self.conv_row_bytes, self.ssm_row_bytes = (kc - 1) * di * 4, di * ds * 4
-        self._within("one layer's SSM state", rows * self.ssm_row_bytes)
-        self.state = [(self._storage(rows * self.conv_row_bytes), self._storage(rows * self.ssm_row_bytes))
-                      for _ in range(c.num_layers)]
-        self.zero_state = np.zeros(max(self.conv_row_bytes, self.ssm_row_bytes) // 4, np.float32)
-        w = self.dbc_width
-        program = []
-        for i, layer in enumerate(prepared.layers):
-            conv, ssm = self.state[i]
-            x_proj = np.zeros((w, di), np.float32)  # padded with zero rows to dbc's width
-            x_proj[: r + 2 * ds] = layer["x_proj"]
-            dt_proj = np.zeros((di, w), np.float32)  # reads dt's input from dbc's first R columns
-            dt_proj[:, :r] = layer["dt_proj"]
-            in_proj = layer["in_proj"] * layer["norm"][None, :]  # the norm's weight folded in
-            params = self._upload(np.concatenate([layer["dt_bias"], layer["D"], layer["A"].ravel()]))
-            conv_w, conv_b = self._upload(layer["conv_w"]), self._upload(layer["conv_b"])
-            program += [
-                ("rms", self._group("rms", (d // 4, 0, eps), [b["x"], self.index, self.zeros, b["h"]]), 1, 64),
-                ("products", self._products(in_proj, b["h"], b["xz"], 2 * di), None, None),
-                ("conv", self._group("conv", (), [b["xz"], self.index, conv_w, conv_b, conv, b["xs"]]), di, 64),
-                ("conv_state", self._group("conv_state", (), [b["xz"], self.index, conv]), di, 64),
-                ("products", self._products(x_proj, b["xs"], b["dbc"], w), None, None),
-                ("products", self._products(dt_proj, b["dbc"], b["dtr"], di), None, None),
-                ("scan", self._group("scan", (), [b["xs"], b["dbc"], b["dtr"], self.index, params, b["xz"], ssm,
-                                                  b["y"]]), di, 64),
-                ("products", self._products(layer["out_proj"], b["y"], b["x"], d, accumulate=True), None, None),
-            ]
-        return program
 
     def _bind_layout(self, kinds: str):
         wgpu = self.wgpu
@@ -335,14 +278,13 @@ class WgpuDriver(Driver):
     def open_row(self, row: int, block_table: list[int]) -> None:
         super().open_row(row, block_table)
         queue = self.device_.queue
-        if self.config.family == "mamba":  # a new sequence starts from zero state
-            for conv, ssm in self.state:
-                queue.write_buffer(conv, row * self.conv_row_bytes, self.zero_state[: self.conv_row_bytes // 4])
-                queue.write_buffer(ssm, row * self.ssm_row_bytes, self.zero_state[: self.ssm_row_bytes // 4])
-            return
-        table = np.zeros(self.max_blocks, np.int32)
-        table[: len(block_table)] = block_table[: self.max_blocks]
-        queue.write_buffer(self.device_tables, row * self.max_blocks * 4, table)
+        for conv, ssm in self.state.values():  # a new sequence starts from zero state
+            queue.write_buffer(conv, row * self.conv_row_bytes, self.zero_state[: self.conv_row_bytes // 4])
+            queue.write_buffer(ssm, row * self.ssm_row_bytes, self.zero_state[: self.ssm_row_bytes // 4])
+        if self.program.paged:
+            table = np.zeros(self.max_blocks, np.int32)
+            table[: len(block_table)] = block_table[: self.max_blocks]
+            queue.write_buffer(self.device_tables, row * self.max_blocks * 4, table)
 
     # ---- the step -----------------------------------------------------------------------
 
@@ -362,7 +304,6 @@ class WgpuDriver(Driver):
         if picking:
             queue.write_buffer(self.picks, 0, np.ascontiguousarray(step.picks))
 
-        c = self.config
         encoder = self.device_.create_command_encoder()
         cp = encoder.begin_compute_pass()
 
@@ -376,17 +317,20 @@ class WgpuDriver(Driver):
             for group, rows in calls:
                 run(("matmul", tile), group, -(-rows // 256), -(-tokens // tile))
 
-        for kernel, group, per_token, wg in self.program:
-            if kernel == "products":
-                products(group, t)
-            else:
-                run(kernel, group, -(-t * per_token // wg))
-        run("rms", self.final_rms, -(-n_logits // 64))
-        products(self.head_calls, n_logits)
+        def dispatch(calls) -> None:
+            for kernel, group, per_unit, wg, unit in calls:
+                n = t if unit == "tokens" else n_logits
+                if kernel == "products":
+                    products(group, n)
+                else:
+                    run(kernel, group, -(-n * per_unit // wg))
+
+        for _, calls in self.recorded:
+            dispatch(calls)
         if picking:
-            run("pick", self.pick_call, n_logits)  # one workgroup per logit index
+            dispatch(self.pick_calls)
         cp.end()
-        row_bytes = c.vocab_size * 4
+        row_bytes = self.vocab * 4
         host = np.flatnonzero(~marked)
         # The host rows' logits, packed: one copy per run of consecutive host rows.
         for first, count in _runs(host):
@@ -395,7 +339,7 @@ class WgpuDriver(Driver):
         if picking:
             encoder.copy_buffer_to_buffer(self.ids, 0, self.ids_readback, 0, n_logits * 4)
         queue.submit([encoder.finish()])
-        logits = self._read(self.readback, len(host) * row_bytes, np.float32).reshape(len(host), c.vocab_size)
+        logits = self._read(self.readback, len(host) * row_bytes, np.float32).reshape(len(host), self.vocab)
         if not picking:
             return host_logits(batch, logits)
         ids = self._read(self.ids_readback, n_logits * 4, np.int32)

@@ -79,3 +79,14 @@ def load_model(spec: str | os.PathLike | None = None) -> LoadedModel:
 
         return load_gguf(path)
     raise ModelLoadError(f"unrecognised model file {path}: expected a GGUF file or a Hugging Face model folder")
+
+
+def family(config):
+    """The module that defines the config's family: `program(config)`, the step as generic ops
+    (engine/ops.py), and `prepare(config, weights, positions)`, the weights they read."""
+    from . import llama, mamba
+
+    families = {"llama": llama, "mamba": mamba}
+    if config.family not in families:
+        raise ValueError(f"no family {config.family!r}; poot runs {', '.join(families)}")
+    return families[config.family]

@@ -1,5 +1,6 @@
 """The Mamba family (Mamba-1, the selective state space model of Gu & Dao, 2023): config,
-a batched step over per-row recurrent state, and loading from GGUF (architecture "mamba").
+its step as a program of generic ops (engine/ops.py) over per-row recurrent state,
+and loading from GGUF (architecture "mamba").
 
 A Mamba model keeps no per-token KV. Each row of the plan owns one state slot per layer: the
 last d_conv - 1 inputs of the causal convolution and the (d_inner, d_state) SSM state. A step
@@ -32,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..ops import Op, Program
 from .base import LoadedModel, ModelLoadError
 
 
@@ -84,98 +86,49 @@ class MambaConfig:
 # ---- the step -------------------------------------------------------------------------------
 
 
-@dataclass(slots=True)
-class PreparedMamba:
-    embed: object
-    layers: list[dict]
-    norm: object
-    lm_head: object
-    conv: object  # (layers, rows, d_conv - 1, d_inner): each row's last inputs to the convolution
-    ssm: object  # (layers, rows, d_inner, d_state)
+def program(config: MambaConfig) -> Program:
+    """One step of the family over named buffers; the weights are prepare()'s names. A layer:
+    rms_norm, the input product (x and the gate z), the causal convolution (then the row's
+    conv state moves on), x's product to dt's input, B and C, dt's own product, the scan
+    with its skip term and gate, the output product added to the residual."""
+    d, di, ds, r = config.hidden_size, config.d_inner, config.d_state, config.dt_rank
+    ops = [Op("embed", (), "x", ("embed",))]
+    for i in range(config.num_layers):
+        p = f"layers.{i}."
+        ops += [
+            Op("rms_norm", ("x",), "h"),
+            Op("matmul", ("h",), "xz", (p + "in_proj",)),
+            Op("conv", ("xz",), "xs", (p + "conv_w", p + "conv_b"), layer=i),
+            Op("conv_state", ("xz",), "", layer=i),
+            Op("matmul", ("xs",), "dbc", (p + "x_proj",)),
+            Op("matmul", ("dbc",), "dtr", (p + "dt_proj",)),
+            Op("scan", ("xs", "dbc", "dtr", "xz"), "y", (p + "dt_bias", p + "A", p + "D"), layer=i),
+            Op("matmul_add", ("y",), "x", (p + "out_proj",)),
+        ]
+    ops += [Op("final_norm", ("x",), "hl", ("norm",)), Op("head", ("hl",), "logits", ("lm_head",))]
+    widths = {"x": d, "h": d, "xz": 2 * di, "xs": di, "dbc": r + 2 * ds, "dtr": di, "y": di, "hl": d,
+              "logits": config.vocab_size}
+    dims = {"hidden": d, "vocab": config.vocab_size, "d_inner": di, "d_conv": config.d_conv, "d_state": ds,
+            "dt_rank": r}
+    return Program(tuple(ops), widths, dims, config.rms_eps)
 
 
-def prepare_mamba(config: MambaConfig, weights: dict[str, np.ndarray], rows: int, xp=np) -> PreparedMamba:
-    def dev(a: np.ndarray):
-        return xp.asarray(np.ascontiguousarray(a, dtype=np.float32))
+def prepare(config: MambaConfig, weights: dict[str, np.ndarray], positions: int = 0) -> dict[str, np.ndarray]:
+    """The program's weights by name, host float32, laid out as engine/ops.py states: each
+    layer's norm weight folded into the columns of in_proj (rms_norm only divides)."""
+    def dev(a) -> np.ndarray:
+        return np.ascontiguousarray(a, dtype=np.float32)
 
-    names = ("norm", "in_proj", "conv_w", "conv_b", "x_proj", "dt_proj", "dt_bias", "A", "D", "out_proj")
-    layers = [{n: dev(weights[f"layers.{i}.{n}"]) for n in names} for i in range(config.num_layers)]
-    head = weights.get("lm_head", weights["embed"])
-    conv = xp.zeros((config.num_layers, rows, config.d_conv - 1, config.d_inner), dtype=xp.float32)
-    ssm = xp.zeros((config.num_layers, rows, config.d_inner, config.d_state), dtype=xp.float32)
-    return PreparedMamba(dev(weights["embed"]), layers, dev(weights["norm"]), dev(head), conv, ssm)
-
-
-def rms_norm(xp, x, weight, eps: float):
-    return x / xp.sqrt((x * x).mean(axis=-1, keepdims=True) + eps) * weight
-
-
-def linear(xp, x, w):
-    return (w @ x.T).T
-
-
-def silu(xp, x):
-    return x / (1.0 + xp.exp(-x))
-
-
-def reset_rows(model: PreparedMamba, rows: list[int]) -> None:
-    """Zeroes the state slots of rows a new sequence opens."""
-    if rows:
-        model.conv[:, rows] = 0
-        model.ssm[:, rows] = 0
-
-
-def forward(xp, config: MambaConfig, model: PreparedMamba, step):
-    """Runs one step over each row's state slot; returns logits (L, vocab). `step` is the
-    driver's StepArrays. Rows a new sequence opens must be reset first (reset_rows)."""
-    rows = step.row_ids.astype(np.int64)
-    lengths = step.row_tokens.astype(np.int64)
-    offsets = step.row_first.astype(np.int64)
-    tokens = xp.asarray(step.tokens.astype(np.int64))
-    x = model.embed[tokens]
-    di, ds, r = config.d_inner, config.d_state, config.dt_rank
-    for i, layer in enumerate(model.layers):
-        h = rms_norm(xp, x, layer["norm"], config.rms_eps)
-        xz = linear(xp, h, layer["in_proj"])
-        xs = silu(xp, _conv(xp, xz[:, :di], layer, model.conv[i], rows, offsets, lengths))
-        dbc = linear(xp, xs, layer["x_proj"])
-        dt = xp.logaddexp(0.0, linear(xp, dbc[:, :r], layer["dt_proj"]) + layer["dt_bias"])  # softplus
-        b, c = dbc[:, r : r + ds], dbc[:, r + ds :]
-        states = _scan(xp, xp.exp(dt[:, :, None] * layer["A"]), (dt * xs)[:, :, None] * b[:, None, :],
-                       model.ssm[i], rows, offsets, lengths)
-        y = xp.matmul(states, c[:, :, None])[:, :, 0] + xs * layer["D"]
-        x = x + linear(xp, y * silu(xp, xz[:, di:]), layer["out_proj"])
-    h = rms_norm(xp, x[xp.asarray(step.logit_idx.astype(np.int64))], model.norm, config.rms_eps)
-    return linear(xp, h, model.lm_head).astype(xp.float32)
-
-
-def _conv(xp, xs, layer, conv_state, rows, offsets, lengths):
-    """Depthwise causal convolution of each row's tokens, continuing from (and updating) the
-    row's last d_conv - 1 inputs."""
-    w, k = layer["conv_w"], layer["conv_w"].shape[1]
-    out = xp.empty_like(xs)
-    for row, o, n in zip(rows.tolist(), offsets.tolist(), lengths.tolist(), strict=True):
-        window = xp.concatenate([conv_state[row], xs[o : o + n]])  # (k - 1 + n, d_inner)
-        acc = layer["conv_b"] + window[0:n] * w[:, 0]
-        for j in range(1, k):
-            acc = acc + window[j : j + n] * w[:, j]
-        out[o : o + n] = acc
-        conv_state[row] = window[n:]
+    out = {"embed": dev(weights["embed"])}
+    for i in range(config.num_layers):
+        p = f"layers.{i}."
+        norm = np.asarray(weights[p + "norm"], dtype=np.float64)
+        out[p + "in_proj"] = dev(np.asarray(weights[p + "in_proj"], dtype=np.float64) * norm[None, :])
+        out |= {p + n: dev(weights[p + n]) for n in ("conv_w", "conv_b", "x_proj", "dt_proj", "dt_bias", "A", "D",
+                                                       "out_proj")}
+    out["norm"] = dev(weights["norm"])
+    out["lm_head"] = dev(weights.get("lm_head", weights["embed"]))
     return out
-
-
-def _scan(xp, decay, inflow, ssm_state, rows, offsets, lengths):
-    """h_t = decay_t * h_(t-1) + inflow_t for each row, from (and updating) its state slot;
-    returns every h_t, (tokens, d_inner, d_state). All rows advance together, one position
-    per iteration, so decode rows cost one iteration in all."""
-    states = xp.empty_like(inflow)
-    for t in range(int(lengths.max())):
-        live = lengths > t
-        idx, slot = offsets[live] + t, rows[live]
-        h = ssm_state[slot] * decay[idx] + inflow[idx]
-        ssm_state[slot] = h
-        states[idx] = h
-    return states
 
 
 # ---- loading from GGUF ------------------------------------------------------------------------

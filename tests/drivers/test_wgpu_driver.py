@@ -286,9 +286,11 @@ def test_a_device_error_is_a_fault_not_a_crash():
 
 
 def test_vulkan_without_a_vulkan_adapter_fails_start_up_saying_what_to_install(monkeypatch):
+    from poot.engine import drivers
     from poot.engine.drivers import wgpu_driver
 
     monkeypatch.setattr(wgpu_driver, "adapters", lambda: [])
+    monkeypatch.setattr(drivers, "_cuda_driver", lambda: None)  # auto would take a CUDA device first
     with pytest.raises(wgpu_driver.NoAdapter, match="mesa-vulkan-drivers"):
         make_driver("vulkan")
     with pytest.raises(wgpu_driver.NoAdapter, match="no WebGPU adapter"):
@@ -296,9 +298,12 @@ def test_vulkan_without_a_vulkan_adapter_fails_start_up_saying_what_to_install(m
     assert make_driver("auto").backend == "numpy"
 
 
-def test_auto_takes_a_cpu_adapter_for_the_cpu_driver():
+def test_auto_takes_a_cpu_adapter_for_the_cpu_driver(monkeypatch):
     """lavapipe is a CPU: auto leaves it to the NumPy driver, which is faster there."""
+    from poot.engine import drivers
     from poot.engine.drivers import wgpu_driver
+
+    monkeypatch.setattr(drivers, "_cuda_driver", lambda: None)  # auto would take a CUDA device first
 
     if any(wgpu_driver.is_hardware(a) for a in wgpu_driver.adapters()):
         pytest.skip("this machine has a hardware GPU adapter")

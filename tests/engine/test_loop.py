@@ -166,7 +166,7 @@ def test_eos_ends_a_request_with_reason_stop_and_no_eos_text():
     # Make EOS the model's choice after the first token: its head row becomes the second
     # token's row, doubled, so its logit is twice the winning (positive) one.
     eos = next(iter(engine.model.tokenizer.eos_token_ids))
-    head = engine.driver.model.lm_head
+    head = engine.driver.weights["lm_head"]
     head[eos] = 2 * head[second]
     rec, _ = submit(engine, "eos", greedy(10))
     run_until_idle(engine)

@@ -1,7 +1,7 @@
 """Logits against the independent float64 reference (reference_llama.py).
 
 - the reference itself: causal, and correct enough to answer a factual prompt on SmolLM2;
-- the engine's forward (NumpyDriver over engine/models/llama.py) against the reference;
+- the engine's forward (NumpyDriver running engine/models/llama.py's program) against the reference;
 - with transformers installed: its own GGUF loader's weights, tokens and logits against ours.
 """
 

@@ -1,0 +1,44 @@
+"""Each family's step as a program of generic ops (engine/ops.py): every op is in the
+vocabulary, reads only buffers written before it, names weights its family prepares, and the
+buffers and weights are what a driver can size and upload without knowing the family."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from poot.engine.models import family
+from poot.engine.models.synthetic import synthetic_llama, synthetic_mamba
+from poot.engine.ops import PICK, VOCABULARY, Op, Program
+
+MODELS = {"llama": synthetic_llama, "mamba": synthetic_mamba}
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_a_program_is_closed_over_its_buffers_and_prepared_weights(name):
+    model = MODELS[name](0)
+    fam = family(model.config)
+    program = fam.program(model.config)
+    weights = fam.prepare(model.config, model.weights, 64)
+    written = set()
+    for op in program.ops:
+        assert op.name in VOCABULARY
+        assert set(op.reads) <= written, f"{op} reads a buffer no earlier op wrote"
+        assert set(op.weights) <= set(weights)
+        if op.writes:
+            assert op.writes in program.widths
+            written.add(op.writes)
+    assert program.ops[0].name == "embed" and program.ops[-1] == Op("head", ("hl",), "logits", ("lm_head",))
+    assert PICK.reads == ("logits",)
+    assert set(program.weight_names()) == set(weights)  # nothing prepared that no op reads
+    for w in weights.values():
+        assert w.dtype == np.float32 and w.flags.c_contiguous
+    layers = list(range(model.config.num_layers))
+    assert program.paged == (name == "llama") and program.recurrent == (name == "mamba")
+    assert program.layers(frozenset({"paged_attention", "scan"})) == layers
+
+
+def test_an_unknown_op_is_refused():
+    with pytest.raises(ValueError, match="unknown op"):
+        Op("softmax")
+    assert not Program((), {}).paged and not Program((), {}).recurrent
