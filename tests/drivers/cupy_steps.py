@@ -7,13 +7,12 @@ from __future__ import annotations
 import numpy as np
 
 from poot.engine import SamplingParams, sampler
-from poot.engine.drivers.base import Pick, RowWork
+from poot.engine.drivers.base import RowWork
 from poot.engine.drivers.cupy_device import Probe
 from poot.engine.drivers.cupy_driver import CupyDriver
 from poot.engine.drivers.cupy_launch import ReferenceLauncher
 from poot.engine.drivers.numpy_driver import NumpyDriver
 from poot.engine.plan import fit_plan
-from poot.engine.random_stream import random_stream
 
 SMALL = Probe("test device", 8 << 30, 8 << 30, 16, (9, 0))  # 16 SMs: the fewest rows, 32
 H200 = Probe("NVIDIA H200", 150_000_000_000, 141_000_000_000, 132, (9, 0))
@@ -93,35 +92,6 @@ def compare_logits(cpu, gpu, plan, vocab, seed, avoid=()):
             worst = max(worst, worst_relative(a, b))
             assert greedy_agrees(a, b, TOLERANCE[gpu.wtype])
     return worst
-
-
-PICKED = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8), SamplingParams(temperature=1.2, top_k=5),
-          SamplingParams(temperature=1.0, top_p=0.7), SamplingParams(temperature=0.9, top_k=20, top_p=0.9),
-          SamplingParams(temperature=1.5, top_k=100_000, top_p=0.95)]
-
-
-def with_picks(steps, seed=0, host_every=5):
-    """Each row marked for the device, cycling through PICKED, every host_every-th left to
-    the host; each row draws at its own counter."""
-    marked, n = [], 0
-    for batch in steps:
-        out = []
-        for w in batch:
-            pick = None if n % host_every == host_every - 1 else \
-                Pick(PICKED[n % len(PICKED)], random_stream(seed + n, n % 3), 7 * n)
-            out.append(RowWork(w.row, w.tokens, w.start, w.block_table, w.num_logits, pick))
-            n += 1
-        marked.append(out)
-    return marked
-
-
-def host_picks(logits, batch):
-    ids, i = [], 0
-    for w in batch:
-        for j in range(w.num_logits):
-            ids.append(-1 if w.pick is None else sampler.sample(logits[i + j], w.pick.params, w.pick.uniform(j)))
-        i += w.num_logits
-    return ids
 
 
 def on_an_edge(logits: np.ndarray, params: SamplingParams, u: float) -> bool:

@@ -21,20 +21,18 @@ from poot.engine.plan import fit_plan
 from poot.engine.random_stream import random_stream
 
 from .cupy_steps import (
-    PICKED,
     TOLERANCE,
     compare_logits,
     cuda_device,
     cupy_on_cpu,
     greedy_agrees,
-    host_picks,
     mixed_steps,
     on_an_edge,
     open_all,
     pair,
-    with_picks,
     worst_relative,
 )
+from .picks import PICKED, host_picks, with_picks
 
 
 @pytest.mark.parametrize("seed, sizes", [(0, {}), (5, {}), (7, dict(num_heads=8, num_kv_heads=2, head_dim=32))],
