@@ -59,7 +59,9 @@ from ..step import (
     pick_words,
     step_arrays,
 )
+from .fault_injection import ArmedFailure
 from .host_pick import pick_from_logits
+from .warm_up import warm_up
 
 # The step's types live in engine/step.py; named here too, for code that reaches them through the driver.
 __all__ = ["PICK_GREEDY", "PICK_HOST", "PICK_SAMPLE", "PICK_WORDS", "DeviceFault", "Driver", "Pick", "RowWork",
@@ -79,7 +81,7 @@ class Driver(ABC):
         # decoding row's drafts; None decodes one token per row per step.
         self.draft_policy = None
         self.plan: Plan | None = None
-        self._armed_failure: str | None = None
+        self.armed = ArmedFailure()  # behind --fault-injection: what the next step must do
         self.open_rows: dict[int, list[int]] = {}
         # Every open row's block table as one (rows, blocks) host array, padded with the
         # row's first block; None until a row with blocks opens (recurrent families have none).
@@ -124,7 +126,7 @@ class Driver(ABC):
     def step(self, batch: list[RowWork]) -> StepOutput:
         if self.plan is None:
             raise StepRefused("the driver was not prepared")
-        armed, self._armed_failure = self._armed_failure, None
+        armed = self.armed.take()
         if armed == "refuse":
             raise StepRefused("injected: the driver refused the step")
         self.check_batch(batch)
@@ -142,10 +144,8 @@ class Driver(ABC):
         return out if any(out.picked) else pick_from_logits(out.logits, arrays, batch)
 
     def arm_failure(self, kind: str) -> None:
-        """Test hook behind --fault-injection: the next step is refused or faults."""
-        if kind not in ("refuse", "fault"):
-            raise ValueError(f"unknown driver failure {kind!r}")
-        self._armed_failure = kind
+        """Behind --fault-injection: the next step is refused or faults."""
+        self.armed.arm(kind)
 
     def check_batch(self, batch: list[RowWork]) -> None:
         plan = self.plan
@@ -157,30 +157,9 @@ class Driver(ABC):
                 raise StepRefused(f"row {w.row} was not opened")
 
     def warm_up(self) -> None:
-        """Runs one step of every kind the loop can send, on scratch rows, so that nothing is
-        built, loaded or first touched while a request waits: the first request is served
-        as fast as the next. Part of preparing: the engine calls it right after prepare(),
-        before it serves. The KV written here is never read: a row attends only to positions
-        its own sequence wrote first."""
-        plan = self.plan
-        blocks = list(range(plan.blocks_for(plan.positions))) if plan.num_blocks else []
-        blocks = blocks[: plan.num_blocks]
-        room = len(blocks) * plan.block_size if blocks else plan.positions
-        budget, most = plan.token_budget, plan.max_step_tokens
-        # Tokens per row of each warm-up step: one decode row, every row decoding, a few-token
-        # row (speculative drafts), a decode row beside a prefill chunk, the longest chunks.
-        shapes = [[1], [1] * plan.rows, [min(12, budget)], [1, max(1, budget - 1)], [budget], [most]]
-        for shape in shapes:
-            shape = [min(n, room) for n in shape[: plan.rows]]
-            while sum(shape) > most:
-                shape.pop()
-            for row in range(len(shape)):
-                self.open_row(row, blocks)
-            try:
-                self.step([RowWork(row, np.zeros(n, np.int32), 0, blocks, 1) for row, n in enumerate(shape)])
-            finally:
-                for row in range(len(shape)):
-                    self.close_row(row)
+        """Part of preparing: the engine calls it right after prepare(), before it serves
+        (engine/drivers/warm_up.py says what it runs)."""
+        warm_up(self)
 
     def _built(self) -> None:
         """Every entry build goes through here, so the compile count is honest."""

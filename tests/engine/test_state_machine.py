@@ -96,7 +96,7 @@ class LoopMachine(RuleBasedStateMachine):
             self.engine.iteration()
         finally:
             del self.engine.scheduler.schedule
-        self.engine.driver._armed_failure = None  # no step ran: nothing was refused
+        self.engine.driver.armed.take()  # no step ran: nothing was refused
         self.refused |= set(seen)
 
     @precondition(lambda self: self.alive and self.engine.in_flight())
@@ -115,7 +115,7 @@ class LoopMachine(RuleBasedStateMachine):
             self.engine.die("fault", str(e))  # as the engine thread does
             self.dead_held = held
             return
-        self.engine.driver._armed_failure = None  # no step ran: nothing to fault
+        self.engine.driver.armed.take()  # no step ran: nothing to fault
 
     @precondition(lambda self: self.alive)
     @rule()
