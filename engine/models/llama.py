@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..ops import Op, Program
+from . import block_codes as block_quant
 from .base import LlamaConfig
 
 
@@ -88,4 +89,40 @@ def prepare(config: LlamaConfig, weights: dict[str, np.ndarray], positions: int)
     out["norm"] = dev(weights["norm"])  # the final norm (not folded: the head may be tied to the embedding)
     out["lm_head"] = dev(weights.get("lm_head", weights["embed"]))
     out["rope"] = rope_table(config, positions)
+    return out
+
+
+def block_codes(config: LlamaConfig, weights: dict[str, np.ndarray]) -> dict[str, tuple]:
+    """prepare()'s product matrices as exact block codes (block_codes.find), where the loaded
+    weights are block-quantized values (a GGUF's Q4_1/Q8_0 layers): {name: (BlockCodes,
+    colscale or None)}. The same rows, order and Q scale as prepare(); the RMSNorm weight
+    prepare() folds into the columns is colscale, for the product to apply to its input.
+    Matrices without exact codes (float32 from anywhere else) are left out."""
+    def rows_order(heads: int) -> np.ndarray:
+        return pair_rows(np.arange(heads * config.head_dim)[:, None], heads, config.head_dim)[:, 0]
+
+    def found(name: str):
+        return block_quant.find(weights[name])
+
+    def norm(name: str) -> np.ndarray:
+        return np.ascontiguousarray(weights[name], dtype=np.float32)
+
+    scale = 1.0 / np.sqrt(config.head_dim)
+    out = {}
+    for i in range(config.num_layers):
+        p = f"layers.{i}."
+        wq, wk, wv = found(p + "wq"), found(p + "wk"), found(p + "wv")
+        if wq is not None and wk is not None and wv is not None:
+            qkv = block_quant.concat([wq.scaled(scale).rows(rows_order(config.num_heads)),
+                                      wk.rows(rows_order(config.num_kv_heads)), wv])
+            if qkv is not None:
+                out[p + "wqkv"] = (qkv, norm(p + "attn_norm"))
+        gate, up = found(p + "w_gate"), found(p + "w_up")
+        if gate is not None and up is not None and (gu := block_quant.concat([gate, up])) is not None:
+            out[p + "w_gate_up"] = (gu, norm(p + "mlp_norm"))
+        for name in ("wo", "w_down"):
+            if (codes := found(p + name)) is not None:
+                out[p + name] = (codes, None)
+    if (head := block_quant.find(weights.get("lm_head", weights["embed"]))) is not None:
+        out["lm_head"] = (head, None)
     return out

@@ -1,0 +1,111 @@
+"""Block codes (engine/models/block_codes.py) and the CPU driver's few-token products on them
+(engine/drivers/cpu_block_products.py), against the float32 weights they reproduce."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from poot.engine.models import block_codes
+
+PROMPTS = 64
+CONTINUATION = 12
+# The codes give back the float32 weights bit for bit; the products regroup the float32 sums
+# (per block, the norm on the input instead of in the matrix), so logits differ by rounding.
+LOGIT_TOLERANCE = 1e-4  # max |difference| over the step's logits, relative to max |logit|
+
+
+def _q4_1(rng, rows: int, cols: int) -> np.ndarray:
+    d = rng.uniform(0.001, 0.1, (rows, cols // 32)).astype(np.float16).astype(np.float32)
+    m = -rng.uniform(0, 0.5, (rows, cols // 32)).astype(np.float16).astype(np.float32)
+    q = rng.integers(0, 16, (rows, cols // 32, 32)).astype(np.float32)
+    q[:, :, 0], q[:, :, 1] = 0, 15  # the quantizer puts a block's minimum at 0, its maximum at 15
+    return (q * d[:, :, None] + m[:, :, None]).reshape(rows, cols)
+
+
+def test_finds_exact_codes_of_q4_1_and_q8_0_values():
+    rng = np.random.default_rng(0)
+    w = _q4_1(rng, 8, 64)
+    found = block_codes.find(w)
+    assert found is not None and found.codes.dtype == np.uint8
+    assert np.array_equal(found.values(), w)
+    d = rng.uniform(0.001, 0.1, (8, 2)).astype(np.float16).astype(np.float32)
+    q = rng.integers(-127, 128, (8, 2, 32)).astype(np.float32)
+    q[:, :, 0] = 127
+    w8 = (q * d[:, :, None]).reshape(8, 64)
+    found = block_codes.find(w8)
+    assert found is not None and found.codes.dtype == np.int8
+    assert np.array_equal(found.values(), w8)
+
+
+def test_float32_weights_have_no_codes():
+    rng = np.random.default_rng(1)
+    assert block_codes.find(rng.standard_normal((8, 64)).astype(np.float32)) is None
+    assert block_codes.find(np.ascontiguousarray(_q4_1(rng, 8, 64)[:, :48])) is None  # not whole blocks
+
+
+def test_block_product_matches_float32_product():
+    from poot.engine.drivers import cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.skip(cpu_kernels.unavailable_reason())
+    from poot.engine.drivers.cpu_block_products import BlockProduct
+
+    rng = np.random.default_rng(2)
+    w = _q4_1(rng, 37, 96)
+    scale = rng.uniform(0.5, 2, 96).astype(np.float32)
+    product = BlockProduct(block_codes.find(w), scale)
+    for tokens in (1, 3):
+        x = rng.standard_normal((96, tokens)).astype(np.float32)
+        want = (w.astype(np.float64) * scale) @ x
+        assert np.allclose(product(x), want, rtol=1e-5, atol=1e-5)
+        acc = np.ones((37, tokens), np.float32)
+        product(x, out=acc)
+        assert np.allclose(acc, want + 1, rtol=1e-5, atol=1e-5)
+
+
+def _decode(driver, model, prompt: list[int], steps: int) -> tuple[list[int], list[np.ndarray]]:
+    from poot.engine.step import RowWork
+
+    table = list(range(driver.plan.blocks_for(len(prompt) + steps)))
+    driver.open_row(0, table)
+    out = driver.step([RowWork(0, np.array(prompt, np.int32), 0, table, 1)])
+    tokens, logits = [], []
+    for i in range(steps):
+        token = int(np.argmax(out.logits[0]))
+        tokens.append(token)
+        out = driver.step([RowWork(0, np.array([token], np.int32), len(prompt) + i, table, 1)])
+        logits.append(np.asarray(out.logits[0]))
+    driver.close_row(0)
+    return tokens, logits
+
+
+@pytest.mark.realmodel
+@pytest.mark.slow
+def test_smollm2_decode_on_codes_matches_float32(smollm2):
+    """64 prompts, 12 greedy tokens each, on the codes and on the float32 weights."""
+    from poot.engine.drivers.numpy_driver import NumpyDriver
+    from poot.engine.plan import fit_plan
+
+    drivers = []
+    for codes in (True, False):
+        driver = NumpyDriver(memory_bytes=1 << 30, device_picks=False, block_codes=codes)
+        driver.prepare(fit_plan(driver.device(), smollm2.config, 0, smollm2.name), smollm2)
+        drivers.append(driver)
+    assert drivers[0].kernels is None or drivers[0].kernels.blocks == 30 * 4 + 1
+    words = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "The best way to learn",
+             "Water boils at", "In 1969, the first", "My favourite colour is", "Translate to French: cat"]
+    rng = np.random.default_rng(3)
+    agree, worst = 0, 0.0
+    for n in range(PROMPTS):
+        prompt = smollm2.tokenizer.encode(words[n % len(words)]) + rng.integers(100, 20000, n // 8).tolist()
+        (coded, coded_logits), (plain, plain_logits) = (_decode(d, smollm2, prompt, CONTINUATION) for d in drivers)
+        # Compare logits where both fed the same tokens (up to the first differing pick).
+        same = next((i for i, (a, b) in enumerate(zip(coded, plain, strict=True)) if a != b), CONTINUATION)
+        for a, b in zip(coded_logits[:same], plain_logits[:same], strict=True):
+            worst = max(worst, float(np.abs(a - b).max() / np.abs(b).max()))
+        agree += coded == plain
+    assert worst < LOGIT_TOLERANCE
+    # Rounding can flip a near-tie between the two best tokens; anything more is a bug.
+    assert agree >= PROMPTS - 2, f"{agree}/{PROMPTS} greedy continuations agree; worst logit {worst:.2e}"
+    print(f"{agree}/{PROMPTS} agree; worst relative logit difference {worst:.2e}")
