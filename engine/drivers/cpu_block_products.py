@@ -18,17 +18,16 @@ import numpy as np
 BLOCK_TOKENS = range(1, 5)  # token counts the codes run (measured crossover with float32)
 
 _kernels = None
-_cpu_kernels = None  # the cpu_kernels module (it imports this one), once compiled
 
 
 def compile() -> tuple:
-    """Builds (or loads from numba's cache) the block kernels, after cpu_kernels chose
-    numba's target and threading layer; checks them on a known input."""
-    global _kernels, _cpu_kernels
+    """Builds (or loads from numba's cache) the block kernels and checks them on a known
+    input. Call it after cpu_kernels.compile(), which chooses numba's target and threading
+    layer for every kernel of the process."""
+    global _kernels
     if _kernels is None:
-        from . import cpu_block_kernels, cpu_kernels
+        from . import cpu_block_kernels
 
-        cpu_kernels.compile()
         kernels = cpu_block_kernels.KERNELS
         inputs, _rows, product = kernels
         codes = np.full((5, 32), 2, np.uint8)
@@ -41,7 +40,7 @@ def compile() -> tuple:
         product(codes.view(np.int8), d, m, xt, sx, out, True)
         if not np.all(out == 128):
             raise RuntimeError("the block kernels gave wrong results on a known input")
-        _kernels, _cpu_kernels = kernels, cpu_kernels
+        _kernels = kernels
     return _kernels
 
 
@@ -59,8 +58,13 @@ class BlockProduct:
         self.colscale = np.ones(i, np.float32) if colscale is None else np.ascontiguousarray(colscale, np.float32)
         self.nbytes = codes.nbytes + self.colscale.nbytes
 
+    def work(self, tokens: int) -> int:
+        """Multiply-adds of a product over `tokens` tokens (the caller chooses threads by it)."""
+        return self.codes.size * tokens
+
     def __call__(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        """w @ x for a feature-major x (i, T); into `out` (accumulating) when given."""
+        """w @ x for a feature-major x (i, T); into `out` (accumulating) when given, on the
+        threads numba is set to."""
         inputs, _rows, product = _kernels
         i, tokens = x.shape
         xt = np.empty((tokens, i), np.float32)
@@ -69,6 +73,5 @@ class BlockProduct:
         add = out is not None
         if out is None:
             out = np.empty((self.codes.shape[0], tokens), np.float32)
-        _cpu_kernels._set_threads(self.codes.size * tokens >= _cpu_kernels.PARALLEL_MIN_WORK)
         product(self.codes, self.d, self.m, xt, sx, out, add)
         return out

@@ -301,10 +301,15 @@ class Kernels:
         return entry[1] if entry is not None and entry[0] is w else None
 
     def _block_of(self, w: np.ndarray, tokens: int):
+        """The matrix's block product for a step of `tokens`, its threads chosen; None where
+        the codes do not run it."""
         if tokens not in cpu_block_products.BLOCK_TOKENS:
             return None
         entry = self._blocks.get(id(w))
-        return entry[1] if entry is not None and entry[0] is w else None
+        if entry is None or entry[0] is not w:
+            return None
+        _set_threads(entry[1].work(tokens) >= PARALLEL_MIN_WORK)
+        return entry[1]
 
     def matmul(self, w: np.ndarray, x: np.ndarray) -> np.ndarray:
         block = self._block_of(w, x.shape[1])
