@@ -206,16 +206,14 @@ class Bench:
         return 4 * count
 
     def weight_bytes_for(self, tokens: int) -> int:
-        """Bytes of weights a step of `tokens` tokens reads: the block codes' where the driver's
-        few-token products run on them (cpu_block_products), else float32."""
-        from poot.engine.drivers.cpu_block_products import BLOCK_TOKENS
-
+        """Bytes of weights a step of `tokens` tokens reads: the block codes' where the path the
+        driver chose for that many tokens reads them (cpu_block_products), else float32."""
         k = self.driver.kernels
-        if k is None or not k.blocks or tokens not in BLOCK_TOKENS:
+        if k is None or not k.blocks:
             return self.weight_bytes_per_step()
         coded = {id(w): p for w, p in k._blocks.values()}
         names = [n for n, w in self.driver.weights.items() if w.ndim == 2 and n != "embed"]
-        return sum(coded[id(self.driver.weights[n])].nbytes if id(self.driver.weights[n]) in coded
+        return sum(coded[id(self.driver.weights[n])].bytes_read(tokens) if id(self.driver.weights[n]) in coded
                    else self.driver.weights[n].nbytes for n in names)
 
     def kv_bytes(self, context: int) -> int:
@@ -295,17 +293,20 @@ def run(args) -> dict:
     lines.append(f"machine: {os.cpu_count()} cpus, OPENBLAS_NUM_THREADS={result['threads']}; "
                  f"best bandwidth {bw / 1e9:.1f} GB/s (sgemv, 1 GiB); best GEMM {gemm / 1e9:.0f} GFLOP/s (sgemm 2048^3, "
                  f"the faster of {'OpenBLAS and MKL' if bench.driver.kernels and bench.driver.kernels.packed else 'OpenBLAS'})")
-    products = ("MKL packed products" if bench.driver.kernels and bench.driver.kernels.packed else "OpenBLAS")
-    lines.append(f"products: compiled kernel for 1-{max(bench.driver.kernels.FEW_TOKENS) if bench.driver.kernels else 0} "
-                 f"tokens, {products} above")
+    kernels = bench.driver.kernels
+    if kernels is not None and kernels.choices:
+        lines.append(f"products, chosen by measurement at prepare ({kernels.measure_seconds:.1f} s): "
+                     + "; ".join(bench.driver.product_choice()))
+    else:
+        products = "MKL packed products" if kernels and kernels.packed else "OpenBLAS"
+        lines.append(f"products: compiled kernel for 1-{max(kernels.FEW_TOKENS) if kernels else 0} "
+                     f"tokens, {products} above")
     lines.append(f"model: {model.name}: {wbytes / 1e6:.0f} MB float32 read per step, {fpt / 1e6:.0f} MFLOP/token "
                  f"(+{bench.attention_flops(ctx) / 1e6:.1f} attention at {ctx} context); "
                  f"one-row bound at best bandwidth {wbytes / bw * 1e3:.1f} ms/step")
     if bench.weight_bytes_for(1) != wbytes:
-        from poot.engine.drivers.cpu_block_products import BLOCK_TOKENS
-
-        lines.append(f"block codes: {bench.weight_bytes_for(1) / 1e6:.0f} MB read per step of 1-"
-                     f"{max(BLOCK_TOKENS)} tokens; one-row bound {bench.weight_bytes_for(1) / bw * 1e3:.1f} ms/step")
+        lines.append(f"block codes: {bench.weight_bytes_for(1) / 1e6:.0f} MB read by a one-token step; "
+                     f"one-row bound {bench.weight_bytes_for(1) / bw * 1e3:.1f} ms/step")
     cold = f"{cold_s:.2f} s" if cold_s is not None else "skipped"
     lines.append(f"load: cold {cold}, cached {cached_s:.2f} s; prepare {bench.prepare_s:.2f} s; "
                  f"plan rows={plan.rows} token_budget={plan.token_budget} idle_token_budget={plan.idle_token_budget} "

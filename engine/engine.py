@@ -18,7 +18,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -123,6 +123,8 @@ class Engine:
         plan = fit_plan(driver.device(), model.config, driver.weight_bytes(model), model.name,
                         kv_bytes_per_token=driver.kv_bytes_per_token(model.config))
         driver.prepare(plan, model)
+        if products := driver.product_choice():  # measured while preparing: published with the plan
+            plan = driver.plan = replace(plan, products=products)
         driver.warm_up()
         draft_policy = None
         if draft and draft != "none":

@@ -46,6 +46,9 @@ class Plan:
     # token_budget. Published (as_dict, GET /health) under its old name, prefill_chunk.
     prefill_beside_decoding: int = 0
     token_multiple: int = 1  # the device's products run on multiples of this many tokens
+    # What runs each weight product, where the driver chose it by measurement when preparing
+    # (the CPU driver: per shape, the path for each range of token counts).
+    products: tuple[str, ...] = ()
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

@@ -95,6 +95,11 @@ class Driver(ABC):
         before prepare() runs: the weights themselves, plus any copy a driver keeps."""
         return sum(w.nbytes for w in model.weights.values())
 
+    def product_choice(self) -> tuple[str, ...]:
+        """What runs each weight product, where the driver measured it while preparing (for
+        the plan /health publishes); empty for a driver that chooses nothing at run time."""
+        return ()
+
     def kv_bytes_per_token(self, config) -> int:
         """KV cache bytes one token takes in this driver's layout and dtype (float32 here)."""
         return config.kv_bytes_per_token(4)

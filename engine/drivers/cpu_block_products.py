@@ -1,77 +1,203 @@
-"""Few-token products on a matrix's block codes (engine/models/block_codes.py; kernels in
-cpu_block_kernels): one byte a weight and a (d, m) pair per 32 instead of four bytes, for
-the steps whose products are bound by the bytes they read (a one-row decode step read
-540 MB of float32 SmolLM2 weights; its codes are 170 MB).
+"""Products on a matrix's block codes (engine/models/block_codes.py): one byte a weight and a
+(d, m) pair per 32, where float32 takes four bytes a weight.
 
-Measured on SmolLM2-135M (2-core Zen 4, same process, alternating): the one-row step's
-products took 13.0 ms on the codes against 20.2 ms on float32 (the step 15.3 against 23.1
-ms); a 4-row step 30.7 against 33.7 ms, and 6 rows were even, so from 5 tokens on the float32
-matrices (and MKL's packed copies) take over. Both copies are kept. The codes' products are
-bound by arithmetic, not bytes (widening each code and a sum per block of 32), about 10 G
-weights/s on the two cores.
+Every path takes the same input: the activations quantized to 16 bits per block of 32
+(cpu_int8_kernels.quantize), so whichever path a step's token count runs on, a token's result
+is the same to float32 rounding (~1e-6), and greedy output cannot depend on what else shares
+the step (determinism/batch/1) or on whether a prefix came from the cache.
+
+    int8      integer dot products (AVX-512 VNNI) on the codes   cpu_int8_kernels
+    blocks    the codes widened to float32, one block at a time  cpu_block_kernels
+    mkl       MKL's packed GEMM on the codes' float32 values      mkl_products
+    openblas  NumPy's BLAS on the codes' float32 values
+
+Which path runs for how many tokens is measured when the driver prepares (cpu_product_choice);
+`table` holds the choice. Measured on SmolLM2-135M (2-core Zen 4): the products of a one-token
+step take 3-4 ms on int8 against 13 on blocks and 20 on float32; from about 64 tokens MKL's
+float products overtake the integer ones.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-BLOCK_TOKENS = range(1, 5)  # token counts the codes run (measured crossover with float32)
+from . import mkl_products
 
-_kernels = None
+BLOCK = 32
+PATHS = ("int8", "blocks", "mkl", "openblas")
+SHIFT = 128  # a signed code plus this is an unsigned byte (vpdpbusd multiplies unsigned by signed)
+
+_int8 = None  # cpu_int8_kernels.KERNELS, where the CPU has VNNI
+_blocks = None  # cpu_block_kernels.KERNELS
 
 
-def compile() -> tuple:
-    """Builds (or loads from numba's cache) the block kernels and checks them on a known
-    input. Call it after cpu_kernels.compile(), which chooses numba's target and threading
-    layer for every kernel of the process."""
-    global _kernels
-    if _kernels is None:
+def compile(int8: bool) -> None:
+    """Builds (or loads from numba's cache) the block kernels, and the integer ones when `int8`
+    (the caller checked the CPU has VNNI), and checks them on a known input. Call it after
+    cpu_kernels.compile(), which chooses numba's target and threading layer."""
+    global _int8, _blocks
+    if _blocks is None:
         from . import cpu_block_kernels
 
-        kernels = cpu_block_kernels.KERNELS
-        inputs, _rows, product = kernels
-        codes = np.full((5, 32), 2, np.uint8)
-        d, m = np.full((5, 1), 0.5, np.float32), np.full((5, 1), 1.0, np.float32)
-        x = np.ones((32, 1), np.float32)
-        xt, sx = np.empty((1, 32), np.float32), np.empty((1, 1), np.float32)
-        inputs(x, np.ones(32, np.float32), xt, sx)
-        out = np.zeros((5, 1), np.float32)
-        product(codes, d, m, xt, sx, out, True)
-        product(codes.view(np.int8), d, m, xt, sx, out, True)
-        if not np.all(out == 128):
-            raise RuntimeError("the block kernels gave wrong results on a known input")
-        _kernels = kernels
-    return _kernels
+        _blocks = cpu_block_kernels.KERNELS
+    if int8 and _int8 is None:
+        from . import cpu_int8_kernels
+
+        _int8 = cpu_int8_kernels.KERNELS
+    for path in ("blocks", "int8") if int8 else ("blocks",):
+        _smoke(path)
+
+
+def _smoke(path: str) -> None:
+    from types import SimpleNamespace
+
+    codes = SimpleNamespace(codes=np.full((5, 64), 2, np.uint8), d=np.full((5, 2), 0.5, np.float32),
+                            m=np.full((5, 2), 1.0, np.float32), values=lambda: np.full((5, 64), 2, np.float32))
+    product = BlockProduct(codes, None, paths=(path,))
+    out = np.full((5, 3), 1.0, np.float32)
+    product.run(path, np.ones((64, 3), np.float32), out=out)
+    if not np.allclose(out, 129, rtol=1e-5):
+        raise RuntimeError(f"the {path} block kernels gave wrong results on a known input")
 
 
 def specializations() -> int:
-    return sum(len(k.signatures) for k in _kernels) if _kernels is not None else 0
+    return sum(len(k.signatures) for kernels in (_int8 or (), _blocks or ()) for k in kernels)
+
+
+def unsigned(codes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(u, d, m') with u unsigned bytes: a signed code is shifted by SHIFT and m' = m - SHIFT d
+    takes the shift back (exact: SHIFT is a power of two)."""
+    if codes.codes.dtype == np.uint8:
+        return codes.codes, codes.d, codes.m
+    u = (codes.codes.astype(np.int16) + SHIFT).astype(np.uint8)
+    return u, codes.d, (codes.m - np.float32(SHIFT) * codes.d).astype(np.float32)
+
+
+class Quantized:
+    """A product's input as every path takes it (see the module's docstring)."""
+
+    __slots__ = ("qh", "ql", "dx", "c", "_values")
+
+    def __init__(self, x: np.ndarray, colscale: np.ndarray):
+        i, tokens = x.shape
+        self.qh = np.empty((tokens, i), np.int8)
+        self.ql = np.empty((tokens, i), np.int8)
+        self.dx = np.empty((tokens, i // BLOCK), np.float32)
+        self.c = np.empty((tokens, i // BLOCK), np.float32)
+        _quantize()(np.ascontiguousarray(x, dtype=np.float32), colscale, self.qh, self.ql, self.dx, self.c)
+        self._values = None
+
+    def values(self) -> np.ndarray:
+        """The quantized activations as float32 (i, T), for the float paths."""
+        if self._values is None:
+            tokens, i = self.qh.shape
+            self._values = np.empty((i, tokens), np.float32)
+            _dequantize()(self.qh, self.ql, self.dx, self._values)
+        return self._values
+
+
+def _quantize():
+    from . import cpu_int8_kernels  # numba-compiled, but needs no VNNI
+
+    return cpu_int8_kernels.quantize
+
+
+def _dequantize():
+    from . import cpu_int8_kernels
+
+    return cpu_int8_kernels.dequantize
 
 
 class BlockProduct:
-    """One matrix's codes and the column scale its input takes (see cpu_block_kernels)."""
+    """One matrix's codes, the column scale its input takes (the RMSNorm weight the float32
+    path folds into the matrix; folding it into codes would break the blocks), and the paths
+    it may run. `head`: the output head, whose products return token-major logits."""
 
-    def __init__(self, codes, colscale: np.ndarray | None):
-        compile()
-        self.codes, self.d, self.m = codes.codes, codes.d, codes.m
-        i = self.codes.shape[1]
+    def __init__(self, codes, colscale: np.ndarray | None, paths: tuple[str, ...] = PATHS, head: bool = False):
+        self.u, self.d, self.m = unsigned(codes)
+        o, i = self.u.shape
+        self.shape = (o, i)
+        self.head = head
         self.colscale = np.ones(i, np.float32) if colscale is None else np.ascontiguousarray(colscale, np.float32)
-        self.nbytes = codes.nbytes + self.colscale.nbytes
+        if i % (2 * BLOCK):  # the integer tile takes blocks in pairs
+            paths = tuple(p for p in paths if p != "int8")
+        if "mkl" in paths and not mkl_products.available():
+            paths = tuple(p for p in paths if p != "mkl")
+        self.paths = paths
+        float_paths = {"mkl", "openblas"} & set(paths)
+        self.values = codes.values() if float_paths else None  # the codes' float32 values, unfolded
+        self.packed = mkl_products.PackedWeight(self.values, right=head) if "mkl" in paths else None
+        # (most tokens, path), ascending; the fixed choice until cpu_product_choice measures one.
+        first = "int8" if "int8" in paths else paths[0]
+        self.table: list[tuple[int, str]] = [(1 << 30, first)]
+
+    @property
+    def nbytes(self) -> int:
+        total = self.u.nbytes + self.d.nbytes + self.m.nbytes + self.colscale.nbytes
+        if self.values is not None and "openblas" in self.paths:
+            total += self.values.nbytes
+        if self.packed is not None:
+            total += self.packed.buffer.nbytes
+        return total
+
+    def bytes_read(self, tokens: int) -> int:
+        """The weight bytes a product of `tokens` tokens reads on the path chosen for it."""
+        if self.path_for(tokens) in ("int8", "blocks"):
+            return self.u.nbytes + self.d.nbytes + self.m.nbytes
+        return 4 * self.u.size
 
     def work(self, tokens: int) -> int:
-        """Multiply-adds of a product over `tokens` tokens (the caller chooses threads by it)."""
-        return self.codes.size * tokens
+        return self.u.size * tokens
 
-    def __call__(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        """w @ x for a feature-major x (i, T); into `out` (accumulating) when given, on the
-        threads numba is set to."""
-        inputs, _rows, product = _kernels
-        i, tokens = x.shape
-        xt = np.empty((tokens, i), np.float32)
-        sx = np.empty((tokens, i // 32), np.float32)
-        inputs(np.ascontiguousarray(x), self.colscale, xt, sx)
+    def path_for(self, tokens: int) -> str:
+        for most, path in self.table:
+            if tokens <= most:
+                return path
+        return self.table[-1][1]
+
+    def keep_only(self, paths: set[str]) -> None:
+        """Drops what the paths no chosen entry names would need (MKL's packed copy, the
+        float32 values): a path that wins nowhere costs no memory."""
+        self.paths = tuple(p for p in self.paths if p in paths)
+        if "mkl" not in paths:
+            self.packed = None
+        if not {"openblas"} & paths:
+            self.values = None
+
+    def run(self, path: str, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """The product w @ x for a feature-major x (i, T): (o, T), or (T, o) for the head;
+        added into `out` when given (the residual adds). Threads: as numba is set."""
+        tokens = x.shape[1]
         add = out is not None
-        if out is None:
-            out = np.empty((self.codes.shape[0], tokens), np.float32)
-        product(self.codes, self.d, self.m, xt, sx, out, add)
-        return out
+        if path == "int8":
+            if out is None:
+                out = np.empty((tokens, self.shape[0]) if self.head else (self.shape[0], tokens), np.float32)
+            _int8[4](self.u, self.d, self.m, np.ascontiguousarray(x, dtype=np.float32), self.colscale, out,
+                     self.head, add)
+            return out
+        q = Quantized(x, self.colscale)
+        if path == "blocks":
+            xt = np.ascontiguousarray(q.values().T)  # the kernel reads tokens as rows
+            if add and not self.head:
+                _blocks[2](self.u, self.d, self.m, xt, q.c, out, True)
+                return out
+            result = np.empty((self.shape[0], tokens), np.float32)
+            _blocks[2](self.u, self.d, self.m, xt, q.c, result, False)
+        elif path == "mkl":
+            if self.head:
+                result = mkl_products.matmul_token_major(self.packed, q.values())
+            elif add:
+                mkl_products.matmul_add(self.packed, q.values(), out)
+                return out
+            else:
+                result = mkl_products.matmul(self.packed, q.values())
+        elif path == "openblas":
+            result = self.values @ q.values()
+        else:
+            raise ValueError(f"unknown product path {path!r}")
+        if self.head and result.shape[0] != tokens:
+            result = np.ascontiguousarray(result.T)
+        if add:
+            out += result
+            return out
+        return result

@@ -144,6 +144,20 @@ def specializations() -> int:
     return sum(len(k.signatures) for k in _kernels) if _kernels is not None else 0
 
 
+def int8_supported() -> bool:
+    """Whether this CPU runs the integer block products (cpu_int8_kernels: AVX-512 VNNI), on
+    the features numba compiles for."""
+    try:
+        compile()
+    except RuntimeError:
+        return False
+    import llvmlite.binding as llvm
+
+    from . import cpu_int8_kernels  # after compile(): numba's target is chosen by then
+
+    return cpu_int8_kernels.supported(_numba.config.CPU_FEATURES or llvm.get_host_cpu_features().flatten())
+
+
 def available() -> bool:
     try:
         compile()
@@ -272,49 +286,83 @@ class Kernels:
     def specializations() -> int:
         return specializations() + cpu_block_products.specializations()
 
-    def __init__(self, weights, use_mkl: bool = True, head: np.ndarray | None = None, codes=()):
+    def __init__(self, weights, use_mkl: bool = True, head: np.ndarray | None = None, codes=(), int8: bool = True):
         """`head`: the output matrix, packed to give token-major logits (see head()).
-        `codes`: (matrix, BlockCodes, colscale or None) for the matrices whose few-token
-        products run on block codes (cpu_block_products)."""
+        `codes`: (matrix, BlockCodes, colscale or None) for the matrices whose products run
+        on block codes (cpu_block_products), on the paths this machine has: integer dot
+        products where the CPU has VNNI (and `int8`), MKL where installed (and `use_mkl`)."""
         compile()
         self._packed: dict[int, tuple[np.ndarray, mkl_products.PackedWeight]] = {}
+        # MKL runs on the OpenMP pool numba's kernels use: where it is loaded, the step's
+        # attention products run there too, and no OpenBLAS thread spins beside the pool.
+        self._mkl = use_mkl and mkl_products.available()
+        paths = tuple(p for p in cpu_block_products.PATHS
+                      if (p != "int8" or (int8 and int8_supported())) and (p != "mkl" or use_mkl))
+        if codes:
+            cpu_block_products.compile(int8="int8" in paths)
         self._blocks: dict[int, tuple[np.ndarray, cpu_block_products.BlockProduct]] = {
-            id(w): (w, cpu_block_products.BlockProduct(c, scale)) for w, c, scale in codes}
+            id(w): (w, cpu_block_products.BlockProduct(c, scale, paths, head=w is head)) for w, c, scale in codes}
+        self.choices: list = []  # cpu_product_choice.ShapeChoice, once measure() has run
+        self.measure_seconds = 0.0
         if use_mkl and mkl_products.available():
             for w in [*weights, *([] if head is None else [head])]:
-                if w.ndim == 2 and w.size >= mkl_products.MIN_PACKED_WEIGHTS:
+                if w.ndim == 2 and w.size >= mkl_products.MIN_PACKED_WEIGHTS and id(w) not in self._blocks:
                     # Keyed by identity; holding w keeps its id from being reused.
                     self._packed[id(w)] = (w, mkl_products.PackedWeight(w, right=w is head))
 
     @property
     def packed(self) -> int:
-        """How many weight matrices run on MKL's packed products."""
+        """How many float32 weight matrices run on MKL's packed products."""
         return len(self._packed)
 
     @property
     def blocks(self) -> int:
-        """How many weight matrices run their few-token products on block codes."""
+        """How many weight matrices run their products on block codes."""
         return len(self._blocks)
+
+    @property
+    def block_bytes(self) -> int:
+        """What the block products hold: codes, and the float32 copies their chosen paths read."""
+        return sum(product.nbytes for _, product in self._blocks.values())
+
+    def measure(self, max_tokens: int, head_tokens: int) -> list:
+        """Times each block product's paths for steps of up to `max_tokens` tokens (the head:
+        `head_tokens`) and keeps the fastest per shape and token count (cpu_product_choice);
+        returns the measurements."""
+        from . import cpu_product_choice
+
+        products = [product for _, product in self._blocks.values()]
+        start = time.perf_counter()
+        self.choices = cpu_product_choice.choose(products, max_tokens, head_tokens, self._run_block,
+                                                 lambda: time.sleep(BLAS_SPIN_S))
+        self.measure_seconds = time.perf_counter() - start
+        return self.choices
 
     def _packed_of(self, w: np.ndarray):
         entry = self._packed.get(id(w))
         return entry[1] if entry is not None and entry[0] is w else None
 
-    def _block_of(self, w: np.ndarray, tokens: int):
-        """The matrix's block product for a step of `tokens`, its threads chosen; None where
-        the codes do not run it."""
-        if tokens not in cpu_block_products.BLOCK_TOKENS:
-            return None
+    def _block_of(self, w: np.ndarray):
         entry = self._blocks.get(id(w))
-        if entry is None or entry[0] is not w:
-            return None
-        _set_threads(entry[1].work(tokens) >= PARALLEL_MIN_WORK)
-        return entry[1]
+        return entry[1] if entry is not None and entry[0] is w else None
+
+    @staticmethod
+    def _run_block(product, path: str, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """A block product on `path`, numba's threads set as for the product's work (its input
+        is quantized on them whatever the path)."""
+        global _last_blas
+        tokens = x.shape[1]
+        _set_threads(product.work(tokens) >= PARALLEL_MIN_WORK)
+        result = product.run(path, x, out)
+        if path == "openblas" and product.work(tokens) >= PARALLEL_MIN_WORK:
+            _last_blas = time.monotonic()
+        return result
 
     def matmul(self, w: np.ndarray, x: np.ndarray) -> np.ndarray:
-        block = self._block_of(w, x.shape[1])
+        block = self._block_of(w)
         if block is not None:
-            return block(x)
+            result = self._run_block(block, block.path_for(x.shape[1]), x)
+            return result.T if block.head else result
         packed = self._packed_of(w)
         if packed is not None and packed.right:
             return self.head(w, x).T
@@ -324,9 +372,10 @@ class Kernels:
         """(w @ x).T as a C-contiguous (T, o) array: the logits, one row per token. The head
         packed as MKL's right-hand matrix writes them so (at 32 rows, transposing 32 x 49152
         logits took 9 ms, 8% of the step)."""
-        block = self._block_of(w, x.shape[1])
+        block = self._block_of(w)
         if block is not None:
-            return np.ascontiguousarray(block(x).T)
+            result = self._run_block(block, block.path_for(x.shape[1]), x)
+            return result if block.head else np.ascontiguousarray(result.T)
         packed = self._packed_of(w)
         if packed is not None and packed.right and x.shape[1] not in FEW_TOKENS:
             return mkl_products.matmul_token_major(packed, x)
@@ -334,9 +383,9 @@ class Kernels:
 
     def matmul_add(self, w: np.ndarray, x: np.ndarray, acc: np.ndarray) -> None:
         """acc += w @ x (the residual adds): MKL adds in place, without a result array."""
-        block = self._block_of(w, x.shape[1])
-        if block is not None:
-            block(x, out=acc)
+        block = self._block_of(w)
+        if block is not None and not block.head and acc.flags.c_contiguous:
+            self._run_block(block, block.path_for(x.shape[1]), x, out=acc)
             return
         packed = self._packed_of(w)
         if packed is not None and not packed.right and x.shape[1] not in FEW_TOKENS:
@@ -345,9 +394,9 @@ class Kernels:
             acc += self.matmul(w, x)
 
     def paged_attention(self, q, cache, tables, table_of, lengths, out, tokens: int = 1) -> None:
-        paged_attention(q, cache, tables, table_of, lengths, out, tokens, shared_pool=bool(self._packed))
+        paged_attention(q, cache, tables, table_of, lengths, out, tokens, shared_pool=self._mkl)
 
     def batched_matmul(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         """a @ b over stacks (attention tiles): on MKL when the products are, so that no
         OpenBLAS thread spins beside the step's OpenMP pool."""
-        return mkl_products.batched_matmul(a, b) if self._packed else np.matmul(a, b)
+        return mkl_products.batched_matmul(a, b) if self._mkl else np.matmul(a, b)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import platform
 
 import numpy as np
 
@@ -32,6 +33,21 @@ def host_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def cpu_name() -> str:
+    """The CPU as /proc/cpuinfo names it, with the cores this process may use: the plan
+    names it, since the products are chosen by timing on it."""
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    name = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{name}, {len(os.sched_getaffinity(0))} cores"
+
+
 class NumpyDriver(Driver):
     backend = "numpy"
 
@@ -51,7 +67,8 @@ class NumpyDriver(Driver):
     def device(self) -> DeviceInfo:
         memory = self._memory if self._memory is not None else host_memory_bytes()
         padded = self._uses_mkl()
-        return DeviceInfo("numpy", "cpu", memory, CPU_ROWS, token_multiple=mkl_products.PAD_TOKENS if padded else 1)
+        return DeviceInfo("numpy", "cpu", memory, CPU_ROWS, token_multiple=mkl_products.PAD_TOKENS if padded else 1,
+                          adapter=cpu_name())
 
     def _uses_mkl(self) -> bool:
         return self._want_kernels and self._want_mkl and cpu_kernels.available() and mkl_products.available()
@@ -63,9 +80,10 @@ class NumpyDriver(Driver):
         if self._uses_mkl():
             total += sum(w.nbytes for w in model.weights.values()
                          if w.ndim == 2 and w.size >= mkl_products.MIN_PACKED_WEIGHTS)
-        # The block codes are a second copy, next to the float32 matrices many-token steps read.
-        total += sum(codes.nbytes + (0 if scale is None else scale.nbytes)
-                     for codes, scale in self._block_codes(model).values())
+        # The block codes are a second copy, with their float32 values (for the float paths
+        # their products may choose) packed for MKL in place of the folded matrix.
+        for codes, scale in self._block_codes(model).values():
+            total += codes.nbytes + (0 if scale is None else scale.nbytes) + 4 * codes.codes.size
         return total
 
     def _block_codes(self, model) -> dict:
@@ -96,6 +114,7 @@ class NumpyDriver(Driver):
                                                head=head[0] if head else None, codes=codes)
             if codes:
                 self._built()  # the block kernels
+                self.kernels.measure(plan.max_step_tokens, plan.rows)
             self._specializations = self.kernels.specializations()
         dims, layers = program.dims, program.layers
         self.kv = self.state = None
@@ -118,6 +137,13 @@ class NumpyDriver(Driver):
                 self.state[i] = (np.zeros((rows, dims["d_conv"] - 1, di), np.float32),
                                  np.zeros((rows, di, dims["d_state"]), np.float32))
         self._built()
+
+    def product_choice(self) -> tuple[str, ...]:
+        """What runs each product, as measured when preparing (cpu_product_choice), for the
+        plan /health publishes; empty where nothing was measured."""
+        if self.kernels is None or not self.kernels.choices:
+            return ()
+        return tuple(c.describe() for c in self.kernels.choices)
 
     def run_step(self, step: StepArrays, batch: list[RowWork]) -> StepOutput:
         layout = self.layout(step) if self.program.paged else None

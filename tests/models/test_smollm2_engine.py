@@ -24,7 +24,11 @@ pytestmark = [pytest.mark.realmodel, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def engine(smollm2):
-    return Engine.create(smollm2)
+    # The float32 path: what the reference's logits are compared with to 1e-3. The block
+    # codes' path (16-bit activations) is compared with this one in tests/models/test_block_codes.py.
+    from poot.engine.drivers.numpy_driver import NumpyDriver
+
+    return Engine.create(smollm2, driver=NumpyDriver(block_codes=False))
 
 
 @pytest.fixture(scope="module")

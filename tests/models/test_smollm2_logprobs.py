@@ -17,7 +17,11 @@ pytestmark = [pytest.mark.realmodel, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def engine(smollm2):
-    return Engine.create(smollm2)
+    # The float32 path, which the float64 reference is held to within 1e-4 (the block codes'
+    # 16-bit activations move logits by up to 6e-4 of the largest: tests/models/test_block_codes.py).
+    from poot.engine.drivers.numpy_driver import NumpyDriver
+
+    return Engine.create(smollm2, driver=NumpyDriver(block_codes=False))
 
 
 def run(engine, prompt, params, n=1):

@@ -1,0 +1,147 @@
+"""Which path runs a product, chosen by timing the candidates on this machine when the driver
+prepares (before /health says ok), not by assumption: the library that is fastest on one CPU
+is not on another (on a 2-core Zen 4, OpenBLAS beat MKL at one token and MKL beat it at 32,
+the reverse of what an Intel machine showed), and the integer path's lead over the float ones
+shrinks as tokens grow.
+
+Products of the same shape share a choice. For each shape and each token bucket up to the
+step's most tokens, every candidate path runs on random activations and the fastest is kept;
+a step of T tokens runs the choice of the smallest bucket >= T. Buckets of few tokens time a
+pass over every matrix of the shape (what a real step reads: the weights from memory, not from
+a warm cache); larger ones, whose products are bound by arithmetic, one matrix a few times.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+MEMORY_BOUND_TOKENS = 8  # up to here a timing pass reads every matrix of the shape
+REPEATS = 2  # timed passes at up to MEMORY_BOUND_TOKENS; one above (each is long, and steadier)
+PRUNE = 3.0  # a path this many times slower than the best so far is not timed again at this bucket
+# Paths on OpenBLAS's own threads: timed last in each shape (they spin afterwards,
+# cpu_kernels.BLAS_SPIN_S), and chosen only when clearly faster than the best path on the
+# pool every other kernel of a step runs on: timed alone a product cannot show what two pools
+# on the same cores cost each other (on two cores, a step alternating between them ran
+# several times slower).
+SLOW_LAST = ("openblas",)
+OTHER_POOL_MARGIN = 1.25
+
+
+@dataclass(slots=True)
+class ShapeChoice:
+    """One shape's measurements: per bucket, each path's seconds per product, and the table."""
+
+    shape: tuple[int, int]
+    head: bool
+    matrices: int
+    seconds: dict[int, dict[str, float]] = field(default_factory=dict)
+    table: list[tuple[int, str]] = field(default_factory=list)
+
+    def chosen(self) -> str:
+        """'int8 1-48, mkl 64-192' style: the path per token range."""
+        parts, low = [], 1
+        for most, path in self.table:
+            parts.append(f"{path} {low}-{most}")
+            low = most + 1
+        return ", ".join(parts)
+
+    def describe(self) -> str:
+        o, i = self.shape
+        return f"{o}x{i}{' head' if self.head else ''} x{self.matrices}: {self.chosen()}"
+
+
+def buckets_upto(tokens: int) -> list[int]:
+    """The buckets a step of at most `tokens` tokens can fall in."""
+    out = [b for b in BUCKETS if b < tokens]
+    out.append(next((b for b in BUCKETS if b >= tokens), tokens))
+    return out
+
+
+def choose(products: list, max_tokens: int, head_tokens: int, run, settle, clock=time.perf_counter) -> list[ShapeChoice]:
+    """Times every product path (`run(product, path, x)`, threads set as a step would set
+    them) for steps of up to `max_tokens` tokens (the head: `head_tokens`, the logits a step
+    asks for) and sets each product's table; `settle()` waits out the BLAS threads' spin
+    after timing a path in SLOW_LAST. Returns the measurements, one per shape."""
+    groups: dict[tuple, list] = {}
+    for p in products:
+        groups.setdefault((p.shape, p.head), []).append(p)
+    rng = np.random.default_rng(0)
+    choices = []
+    for (shape, head), members in groups.items():
+        choice = ShapeChoice(shape, head, len(members))
+        paths = sorted(members[0].paths, key=lambda p: p in SLOW_LAST)
+        buckets = buckets_upto(head_tokens if head else max_tokens)
+        inputs = {t: rng.standard_normal((shape[1], t), dtype=np.float32) for t in buckets}
+        for path in paths:
+            for tokens in buckets:
+                timed = choice.seconds.setdefault(tokens, {})
+                best = min(timed.values(), default=float("inf"))
+                timed[path] = _time(members, path, inputs[tokens], run, best, clock)
+            if path in SLOW_LAST:
+                settle()
+        choices.append(choice)
+    pools = _pool_per_bucket(choices)
+    for choice in choices:
+        choice.table = _table(choice.seconds, pools)
+        for p in groups[(choice.shape, choice.head)]:
+            p.table = list(choice.table)
+            p.keep_only({path for _, path in choice.table})
+    return choices
+
+
+def _time(members: list, path: str, x: np.ndarray, run, best: float, clock) -> float:
+    """Seconds one product takes on `path`: the least over REPEATS passes (a pass over every
+    matrix of the shape for few tokens, else one matrix), once warmed."""
+    tokens = x.shape[1]
+    chosen = members if tokens <= MEMORY_BOUND_TOKENS else members[:1]
+    run(chosen[0], path, x)  # first use: pages touched, buffers made
+    least = float("inf")
+    for _ in range(REPEATS if tokens <= MEMORY_BOUND_TOKENS else 1):
+        start = clock()
+        for p in chosen:
+            run(p, path, x)
+        least = min(least, (clock() - start) / len(chosen))
+        if least > PRUNE * best:
+            break
+    return least
+
+
+def _pool_per_bucket(choices: list[ShapeChoice]) -> dict[int, bool]:
+    """Per bucket, whether the step's products run on OpenBLAS's threads (True) or on the
+    shared pool: decided for the whole step, over the products of every shape at that token
+    count, OpenBLAS only when its total beats the shared pool's by OTHER_POOL_MARGIN."""
+    decided = {}
+    for tokens in sorted({t for c in choices for t in c.seconds}):
+        shared = other = 0.0
+        for c in choices:
+            timed = c.seconds.get(tokens)
+            if not timed:
+                continue
+            same = [s for p, s in timed.items() if p not in SLOW_LAST]
+            away = [s for p, s in timed.items() if p in SLOW_LAST]
+            if not same or not away:  # one pool only: nothing to decide
+                shared = other = 0.0
+                break
+            shared += min(same) * c.matrices
+            other += min(away) * c.matrices
+        decided[tokens] = bool(shared) and other * OTHER_POOL_MARGIN < shared
+    return decided
+
+
+def _table(seconds: dict[int, dict[str, float]], other_pool: dict[int, bool]) -> list[tuple[int, str]]:
+    """(most tokens, path) ascending, neighbouring buckets of one path merged: the fastest
+    path on the pool the bucket runs on."""
+    table: list[tuple[int, str]] = []
+    for tokens in sorted(seconds):
+        timed = seconds[tokens]
+        pool = {p: s for p, s in timed.items() if (p in SLOW_LAST) == other_pool.get(tokens, False)} or timed
+        fastest = min(pool, key=pool.get)
+        if table and table[-1][1] == fastest:
+            table[-1] = (tokens, fastest)
+        else:
+            table.append((tokens, fastest))
+    return table

@@ -1,0 +1,105 @@
+"""Choosing each product's path by measurement (engine/drivers/cpu_product_choice.py), on fake
+products whose paths cost what the test says, timed on a fake clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from poot.engine.drivers import cpu_product_choice as choice
+
+
+class FakeProduct:
+    def __init__(self, shape, paths, head=False):
+        self.shape, self.paths, self.head = shape, tuple(paths), head
+        self.table = []
+        self.kept = None
+
+    def keep_only(self, paths):
+        self.kept = set(paths)
+
+
+class Clock:
+    """Advances only when a fake product runs: by cost(shape, path, tokens) seconds."""
+
+    def __init__(self, cost):
+        self.now, self.cost, self.calls = 0.0, cost, []
+
+    def __call__(self):
+        return self.now
+
+    def run(self, product, path, x):
+        self.calls.append((product.shape, path, x.shape[1]))
+        self.now += self.cost(product.shape, path, x.shape[1])
+
+
+def _choose(products, cost, max_tokens=64, head_tokens=8):
+    clock = Clock(cost)
+    settled = []
+    made = choice.choose(products, max_tokens, head_tokens, clock.run, lambda: settled.append(clock.now), clock)
+    return made, clock, settled
+
+
+def test_the_fastest_path_wins_each_bucket_and_neighbours_merge():
+    # int8 costs 1 + t/4, mkl a flat 6: int8 is faster up to 20 tokens.
+    products = [FakeProduct((64, 32), ("int8", "mkl")) for _ in range(3)]
+    made, _, _ = _choose(products, lambda s, p, t: 1 + t / 4 if p == "int8" else 6)
+    assert [c.table for c in made] == [[(16, "int8"), (64, "mkl")]]
+    assert all(p.table == [(16, "int8"), (64, "mkl")] and p.kept == {"int8", "mkl"} for p in products)
+    assert made[0].describe() == "64x32 x3: int8 1-16, mkl 17-64"
+
+
+def test_a_path_that_wins_nowhere_is_dropped():
+    products = [FakeProduct((8, 32), ("int8", "blocks", "mkl"))]
+    _choose(products, lambda s, p, t: {"int8": 1, "blocks": 2, "mkl": 3}[p])
+    assert products[0].kept == {"int8"}
+
+
+def test_few_token_buckets_time_every_matrix_and_larger_ones_one():
+    products = [FakeProduct((16, 32), ("int8",)) for _ in range(4)]
+    _, clock, _ = _choose(products, lambda s, p, t: 1.0, max_tokens=32)
+    per_bucket = {}
+    for _, _, tokens in clock.calls:
+        per_bucket[tokens] = per_bucket.get(tokens, 0) + 1
+    # One warm-up call, then REPEATS passes over all four matrices; above: warm-up and one call.
+    assert per_bucket[1] == per_bucket[8] == 1 + choice.REPEATS * 4
+    assert per_bucket[12] == per_bucket[32] == 2
+    assert sorted(per_bucket) == [b for b in choice.BUCKETS if b <= 32]
+
+
+def test_the_head_is_timed_up_to_the_logits_a_step_asks_for():
+    products = [FakeProduct((100, 32), ("int8",), head=True), FakeProduct((16, 32), ("int8",))]
+    made, clock, _ = _choose(products, lambda s, p, t: 1.0, max_tokens=100, head_tokens=5)
+    head = next(c for c in made if c.head)
+    assert max(head.seconds) == 6  # the bucket holding 5
+    assert max(next(c for c in made if not c.head).seconds) == 128
+
+
+def test_openblas_needs_a_clear_lead_over_the_whole_step_and_is_timed_last():
+    shapes = [(64, 32), (32, 64)]
+    products = [FakeProduct(s, ("int8", "openblas")) for s in shapes]
+
+    def cost(shape, path, tokens):
+        if path == "int8":
+            return 10.0
+        # A small lead on one shape, a large one on the other, from 8 tokens on.
+        lead = (0.5 if shape == shapes[0] else 0.95) if tokens >= 8 else 2.0
+        return 10.0 * lead
+
+    made, clock, settled = _choose(products, cost, max_tokens=8)
+    # 8 tokens: total 10 * (0.5 + 0.95) = 14.5 against 20 on int8: a lead of 1.38 > the margin.
+    assert all(c.table == [(6, "int8"), (8, "openblas")] for c in made)
+    assert len(settled) == 2  # the spin waited out once per shape, after its openblas timings
+    paths = [path for shape, path, _ in clock.calls if shape == shapes[0]]
+    assert paths == sorted(paths, key=lambda p: p == "openblas")
+
+
+def test_a_lead_within_the_margin_keeps_the_shared_pool():
+    products = [FakeProduct((64, 32), ("int8", "mkl", "openblas"))]
+    costs = {"int8": 10.0, "mkl": 12.0, "openblas": 10.0 / (choice.OTHER_POOL_MARGIN * 0.99)}
+    made, _, _ = _choose(products, lambda s, p, t: costs[p], max_tokens=2)
+    assert made[0].table == [(2, "int8")]
+
+
+@pytest.mark.parametrize("tokens, want", [(1, [1]), (5, [1, 2, 3, 4, 6]), (176, list(choice.BUCKETS[:15]))])
+def test_buckets_reach_the_first_one_holding_the_most_tokens(tokens, want):
+    assert choice.buckets_upto(tokens) == want
