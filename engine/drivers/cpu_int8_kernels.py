@@ -69,7 +69,7 @@ def _make_tile(rows: int, tokens: int):
         def codegen(context, builder, signature, args):
             kinds = signature.args
             r0, t0, rs, ts = args[6:]
-            arrays = [context.make_array(k)(context, builder, a) for k, a in zip(kinds[:6], args[:6])]
+            arrays = [context.make_array(k)(context, builder, a) for k, a in zip(kinds[:6], args[:6], strict=True)]
             codes_s, d_s, qh_s, ql_s, dx_s, out_s = arrays
             width = builder.extract_value(codes_s.shape, 1)
             blocks = builder.udiv(width, ir.Constant(width.type, BLOCK))
