@@ -48,6 +48,7 @@ PREFETCH_ROWS = 16  # codes fetched this many rows ahead of the tile
 
 _I32, _F32 = ir.IntType(32), ir.FloatType()
 _I8P = ir.IntType(8).as_pointer()
+_V32B = ir.VectorType(ir.IntType(8), 32)
 _V16I, _V16F, _V2F = ir.VectorType(_I32, 16), ir.VectorType(_F32, 16), ir.VectorType(_F32, 2)
 
 
@@ -58,9 +59,10 @@ def supported(features: str) -> bool:
     return all(f in have for f in FEATURES)
 
 
-def _make_tile(rows: int, tokens: int):
+def _make_tile(rows: int, tokens: int, nibbles: bool):
     """An intrinsic adding the code part of a rows x tokens tile to out: for each (r, t) of the
-    tile, out[(r0 + r) * rs + (t0 + t) * ts] += sum over blocks of d * dx * (u . v)."""
+    tile, out[(r0 + r) * rs + (t0 + t) * ts] += sum over blocks of d * dx * (u . v).
+    `nibbles`: the codes are 4-bit, two a byte (pack_nibbles), unpacked in registers."""
 
     @intrinsic
     def tile(typingctx, codes, d, qh, ql, dx, out, r0, t0, rs, ts):
@@ -71,7 +73,8 @@ def _make_tile(rows: int, tokens: int):
             r0, t0, rs, ts = args[6:]
             arrays = [context.make_array(k)(context, builder, a) for k, a in zip(kinds[:6], args[:6], strict=True)]
             codes_s, d_s, qh_s, ql_s, dx_s, out_s = arrays
-            width = builder.extract_value(codes_s.shape, 1)
+            width = builder.extract_value(qh_s.shape, 1)  # activations a token (codes a row)
+            stride = builder.extract_value(codes_s.shape, 1)  # bytes a row of codes
             blocks = builder.udiv(width, ir.Constant(width.type, BLOCK))
             pairs = builder.udiv(blocks, ir.Constant(width.type, 2))
 
@@ -81,7 +84,7 @@ def _make_tile(rows: int, tokens: int):
             def row(data, index, stride, vector):
                 return builder.bitcast(builder.gep(data, [builder.mul(index, stride)]), vector.as_pointer())
 
-            code_rows = [row(codes_s.data, at(k, r0), width, _V16I) for k in range(rows)]
+            code_rows = [row(codes_s.data, at(k, r0), stride, _V32B if nibbles else _V16I) for k in range(rows)]
             d_rows = [row(d_s.data, at(k, r0), blocks, _V2F) for k in range(rows)]
             qh_rows = [row(qh_s.data, at(k, t0), width, _V16I) for k in range(tokens)]
             ql_rows = [row(ql_s.data, at(k, t0), width, _V16I) for k in range(tokens)]
@@ -97,14 +100,28 @@ def _make_tile(rows: int, tokens: int):
             eight = ir.Constant(_V16I, [8] * 16)
             prefetch = cgutils.get_or_insert_function(
                 module, ir.FunctionType(ir.VoidType(), [_I8P, _I32, _I32, _I32]), "llvm.prefetch.p0")
-            ahead = builder.mul(width, ir.Constant(width.type, PREFETCH_ROWS))  # bytes
+            ahead = builder.mul(stride, ir.Constant(stride.type, PREFETCH_ROWS))  # bytes
+            low_nibble = ir.Constant(_V32B, [15] * 32)
+            four = ir.Constant(_V32B, [4] * 32)
+            both = ir.Constant(ir.VectorType(_I32, 64), list(range(64)))
+
+            def codes_at(c, p):
+                """The pair's 64 codes as 16 int32 lanes: a byte each, or unpacked from 32 bytes
+                whose low nibbles are the first block's codes and high nibbles the second's."""
+                v = builder.load(builder.gep(c, [p]), align=1)
+                if not nibbles:
+                    return v
+                first = builder.and_(v, low_nibble)
+                second = builder.lshr(v, four)
+                return builder.bitcast(builder.shuffle_vector(first, second, both), _V16I)
+
             with cgutils.for_range(builder, pairs) as loop:
                 p = loop.index
                 for c in code_rows:  # the rows a few tiles on, at the same place
                     at_p = builder.bitcast(builder.gep(c, [p]), _I8P)
                     builder.call(prefetch, [builder.gep(at_p, [ahead]), ir.Constant(_I32, 0), ir.Constant(_I32, 3),
                                             ir.Constant(_I32, 1)])
-                u = [builder.load(builder.gep(c, [p]), align=1) for c in code_rows]
+                u = [codes_at(c, p) for c in code_rows]
                 ds = [builder.load(builder.gep(s, [p]), align=4) for s in d_rows]
                 ds = [builder.shuffle_vector(s, s, spread) for s in ds]
                 for t in range(tokens):
@@ -132,9 +149,20 @@ def _make_tile(rows: int, tokens: int):
     return tile
 
 
-tile_wide = _make_tile(WIDE, WIDE)
-tile_pair = _make_tile(PAIR, PAIR)
-tile_one = _make_tile(1, 1)
+tile_wide = _make_tile(WIDE, WIDE, False)
+tile_pair = _make_tile(PAIR, PAIR, False)
+tile_one = _make_tile(1, 1, False)
+tile_wide_4 = _make_tile(WIDE, WIDE, True)
+tile_pair_4 = _make_tile(PAIR, PAIR, True)
+tile_one_4 = _make_tile(1, 1, True)
+
+
+def pack_nibbles(u: np.ndarray) -> np.ndarray:
+    """Codes of 0..15 (o, i), two a byte (o, i / 2): in each pair of blocks (64 codes), byte j
+    holds code j in its low nibble and code 32 + j in its high one."""
+    o, i = u.shape
+    pairs = u.reshape(o, i // 64, 2, 32)
+    return np.ascontiguousarray(pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(o, i // 2)
 
 
 @njit(parallel=True, nogil=True, fastmath=FASTMATH, cache=True, boundscheck=False, error_model=ERRORS)
@@ -175,12 +203,16 @@ def dequantize(qh, ql, dx, out):
 @njit(parallel=True, nogil=True, fastmath=FASTMATH, cache=True, boundscheck=False, error_model=ERRORS)
 def int8_matmul(codes, d, m, qh, ql, dx, c, out, token_major, add):
     """out = the product for every (row, token): (o, T), or (T, o) when token_major; added to
-    what out holds when `add`. Tasks of ROWS_PER_TASK rows; in each, the offset terms first,
-    then the code terms tile by tile."""
-    o, i = codes.shape
+    what out holds when `add`. codes: a byte a code (o, i), or two (o, i / 2, pack_nibbles).
+    Tasks of ROWS_PER_TASK rows; in each, the offset terms first, then the code terms tile by
+    tile."""
+    o = codes.shape[0]
+    i = qh.shape[1]
+    nibbles = codes.shape[1] != i
     nb = i // BLOCK
     tokens = qh.shape[0]
     rs, ts = (1, o) if token_major else (tokens, 1)
+    side = WIDE if tokens >= WIDE_TOKENS else PAIR if tokens >= PAIR_TOKENS else 1
     flat = out.reshape(out.size)
     for task in prange((o + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
         r0, r1 = task * ROWS_PER_TASK, min(o, (task + 1) * ROWS_PER_TASK)
@@ -191,36 +223,36 @@ def int8_matmul(codes, d, m, qh, ql, dx, c, out, token_major, add):
                     s += m[r, b] * c[t, b]
                 k = r * rs + t * ts
                 flat[k] = flat[k] + s if add else s
-        if tokens >= WIDE_TOKENS:
-            _tiles(codes, d, qh, ql, dx, flat, r0, r1, tokens, rs, ts, WIDE)
-        elif tokens >= PAIR_TOKENS:
-            _tiles(codes, d, qh, ql, dx, flat, r0, r1, tokens, rs, ts, PAIR)
-        else:
-            for r in range(r0, r1):
-                for t in range(tokens):
-                    tile_one(codes, d, qh, ql, dx, flat, r, t, rs, ts)
+        r = r0
+        while r + side <= r1:  # side x side tiles; then the tokens left, one at a time
+            t = 0
+            while t + side <= tokens and side > 1:
+                _tile(codes, d, qh, ql, dx, flat, r, t, rs, ts, side, nibbles)
+                t += side
+            for rr in range(r, r + side):
+                for tt in range(t, tokens):
+                    _tile(codes, d, qh, ql, dx, flat, rr, tt, rs, ts, 1, nibbles)
+            r += side
+        for rr in range(r, r1):  # the rows left
+            for t in range(tokens):
+                _tile(codes, d, qh, ql, dx, flat, rr, t, rs, ts, 1, nibbles)
 
 
 @njit(inline="always", fastmath=FASTMATH, boundscheck=False, error_model=ERRORS)
-def _tiles(codes, d, qh, ql, dx, flat, r0, r1, tokens, rs, ts, side):
-    """side x side tiles over rows r0..r1 and every token; what is left of the rows and the
-    tokens, one (row, token) at a time."""
-    r = r0
-    while r + side <= r1:
-        t = 0
-        while t + side <= tokens:
-            if side == WIDE:
-                tile_wide(codes, d, qh, ql, dx, flat, r, t, rs, ts)
-            else:
-                tile_pair(codes, d, qh, ql, dx, flat, r, t, rs, ts)
-            t += side
-        for rr in range(r, r + side):
-            for tt in range(t, tokens):
-                tile_one(codes, d, qh, ql, dx, flat, rr, tt, rs, ts)
-        r += side
-    for rr in range(r, r1):
-        for t in range(tokens):
-            tile_one(codes, d, qh, ql, dx, flat, rr, t, rs, ts)
+def _tile(codes, d, qh, ql, dx, flat, r, t, rs, ts, side, nibbles):
+    if nibbles:
+        if side == WIDE:
+            tile_wide_4(codes, d, qh, ql, dx, flat, r, t, rs, ts)
+        elif side == PAIR:
+            tile_pair_4(codes, d, qh, ql, dx, flat, r, t, rs, ts)
+        else:
+            tile_one_4(codes, d, qh, ql, dx, flat, r, t, rs, ts)
+    elif side == WIDE:
+        tile_wide(codes, d, qh, ql, dx, flat, r, t, rs, ts)
+    elif side == PAIR:
+        tile_pair(codes, d, qh, ql, dx, flat, r, t, rs, ts)
+    else:
+        tile_one(codes, d, qh, ql, dx, flat, r, t, rs, ts)
 
 
 @njit(nogil=True, fastmath=FASTMATH, cache=True, boundscheck=False, error_model=ERRORS)

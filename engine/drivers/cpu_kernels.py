@@ -31,6 +31,7 @@ and the driver keeps its NumPy path: same results, slower.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -55,6 +56,7 @@ _kernels = None
 _error: str | None = None
 _numba = None  # the numba module, once the kernels are built
 _last_blas = 0.0  # time.monotonic() of the last product left to OpenBLAS
+_threads_set = threading.local()  # the numba thread count this thread last set
 
 
 def _build():
@@ -264,10 +266,22 @@ def paged_attention(q, cache, tables, table_of, lengths, out, tokens: int = 1, s
     _kernels[1](q, cache, tables, table_of, lengths, out)
 
 
+def runs_of(table_of: np.ndarray) -> np.ndarray:
+    """Where each stretch of consecutive queries on one table starts, then the query count."""
+    if len(table_of) == 0:
+        return np.zeros(1, np.int64)
+    change = np.flatnonzero(table_of[1:] != table_of[:-1]) + 1
+    return np.concatenate(([0], change, [len(table_of)])).astype(np.int64)
+
+
 def _set_threads(parallel: bool) -> None:
     if parallel and time.monotonic() - _last_blas < BLAS_SPIN_S:
         parallel = False
-    _numba.set_num_threads(_numba.config.NUMBA_NUM_THREADS if parallel else 1)
+    threads = _numba.config.NUMBA_NUM_THREADS if parallel else 1
+    # numba's setting is the calling thread's own; setting it costs ~4 us, a step asks ~1,500 times.
+    if getattr(_threads_set, "n", None) != threads:
+        _numba.set_num_threads(threads)
+        _threads_set.n = threads
 
 
 class Kernels:

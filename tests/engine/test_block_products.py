@@ -168,3 +168,23 @@ def test_paths_a_matrix_cannot_take_are_not_offered():
     assert odd.path_for(2) == "blocks"
     np.testing.assert_allclose(odd.run("blocks", x), _reference(_codes(np.random.default_rng(2), 5, 96, False),
                                                                np.ones(96, np.float32), x), rtol=1e-5, atol=1e-5)
+
+
+def test_four_bit_codes_are_read_two_a_byte_with_the_same_result():
+    from poot.engine.drivers.cpu_block_products import BlockProduct
+    from poot.engine.drivers.cpu_int8_kernels import pack_nibbles
+
+    if not cpu_kernels.int8_supported():
+        pytest.skip("this CPU has no AVX-512 VNNI")
+    rng = np.random.default_rng(8)
+    product = BlockProduct(_codes(rng, 19, 128, False), None, _paths())
+    assert product.u4 is not None and product.u4.shape == (19, 64)
+    # Byte j of a 64-code pair: code j low, code 32 + j high.
+    assert np.array_equal(product.u4[:, :32] & 15, product.u[:, :32])
+    assert np.array_equal(product.u4[:, :32] >> 4, product.u[:, 32:64])
+    assert np.array_equal(pack_nibbles(product.u), product.u4)
+    x = rng.standard_normal((128, 5)).astype(np.float32)
+    packed = product.run("int8", x)
+    product.u4 = None
+    assert np.array_equal(product.run("int8", x), packed)
+    assert BlockProduct(_codes(rng, 3, 64, True), None, _paths()).u4 is None  # signed codes stay bytes
