@@ -165,29 +165,33 @@ def pack_nibbles(u: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(o, i // 2)
 
 
+@njit(inline="always", fastmath=FASTMATH, boundscheck=False, error_model=ERRORS)
+def _quantize_token(x, colscale, qh, ql, dx, c, t):
+    for b in range(x.shape[0] // BLOCK):
+        lo = b * BLOCK
+        top = np.float32(0)
+        for j in range(BLOCK):
+            top = max(top, abs(x[lo + j, t] * colscale[lo + j]))
+        scale = top / np.float32(LEVELS)
+        inv = np.float32(LEVELS) / top if top > 0 else np.float32(0)
+        total = 0
+        for j in range(BLOCK):
+            v = np.int32(np.rint(x[lo + j, t] * colscale[lo + j] * inv))
+            high = (v + 128) >> 8
+            qh[t, lo + j] = high
+            ql[t, lo + j] = v - (high << 8)
+            total += v
+        dx[t, b] = scale
+        c[t, b] = scale * np.float32(total)
+
+
 @njit(parallel=True, nogil=True, fastmath=FASTMATH, cache=True, boundscheck=False, error_model=ERRORS)
 def quantize(x, colscale, qh, ql, dx, c):
     """x (i, T) feature-major float32 -> v = round(x * colscale / dx) in -LEVELS..LEVELS per
     block, kept as v = 256 qh + ql, two signed bytes (T, i) each; dx (T, i / BLOCK) the block
     scales; c (T, i / BLOCK) = dx * sum(v) per block (the term the codes' offsets multiply)."""
-    i, tokens = x.shape
-    for t in prange(tokens):
-        for b in range(i // BLOCK):
-            lo = b * BLOCK
-            top = np.float32(0)
-            for j in range(BLOCK):
-                top = max(top, abs(x[lo + j, t] * colscale[lo + j]))
-            scale = top / np.float32(LEVELS)
-            inv = np.float32(LEVELS) / top if top > 0 else np.float32(0)
-            total = 0
-            for j in range(BLOCK):
-                v = np.int32(np.rint(x[lo + j, t] * colscale[lo + j] * inv))
-                high = (v + 128) >> 8
-                qh[t, lo + j] = high
-                ql[t, lo + j] = v - (high << 8)
-                total += v
-            dx[t, b] = scale
-            c[t, b] = scale * np.float32(total)
+    for t in prange(x.shape[1]):
+        _quantize_token(x, colscale, qh, ql, dx, c, t)
 
 
 @njit(parallel=True, nogil=True, fastmath=FASTMATH, cache=True, boundscheck=False, error_model=ERRORS)
@@ -258,24 +262,8 @@ def _tile(codes, d, qh, ql, dx, flat, r, t, rs, ts, side, nibbles):
 @njit(nogil=True, fastmath=FASTMATH, cache=True, boundscheck=False, error_model=ERRORS)
 def quantize_serial(x, colscale, qh, ql, dx, c):
     """quantize() on the calling thread: for a few tokens, waking the pool costs more."""
-    i, tokens = x.shape
-    for t in range(tokens):
-        for b in range(i // BLOCK):
-            lo = b * BLOCK
-            top = np.float32(0)
-            for j in range(BLOCK):
-                top = max(top, abs(x[lo + j, t] * colscale[lo + j]))
-            scale = top / np.float32(LEVELS)
-            inv = np.float32(LEVELS) / top if top > 0 else np.float32(0)
-            total = 0
-            for j in range(BLOCK):
-                v = np.int32(np.rint(x[lo + j, t] * colscale[lo + j] * inv))
-                high = (v + 128) >> 8
-                qh[t, lo + j] = high
-                ql[t, lo + j] = v - (high << 8)
-                total += v
-            dx[t, b] = scale
-            c[t, b] = scale * np.float32(total)
+    for t in range(x.shape[1]):
+        _quantize_token(x, colscale, qh, ql, dx, c, t)
 
 
 @njit(nogil=True, fastmath=FASTMATH, cache=True, boundscheck=False, error_model=ERRORS)
