@@ -27,23 +27,22 @@ BLOCK = 32
 PATHS = ("int8", "blocks", "mkl", "openblas")
 SHIFT = 128  # a signed code plus this is an unsigned byte (vpdpbusd multiplies unsigned by signed)
 
-_int8 = None  # cpu_int8_kernels.KERNELS, where the CPU has VNNI
-_blocks = None  # cpu_block_kernels.KERNELS
+# The kernel modules, imported by compile(): after cpu_kernels has chosen numba's target.
+# cpu_int8_kernels' quantizer serves every path; its integer product runs only where the CPU
+# has VNNI.
+_int8_kernels = None
+_block_kernels = None
 
 
 def compile(int8: bool) -> None:
-    """Builds (or loads from numba's cache) the block kernels, and the integer ones when `int8`
-    (the caller checked the CPU has VNNI), and checks them on a known input. Call it after
-    cpu_kernels.compile(), which chooses numba's target and threading layer."""
-    global _int8, _blocks
-    if _blocks is None:
-        from . import cpu_block_kernels
+    """Builds (or loads from numba's cache) the quantizer and the block kernels, and the
+    integer product when `int8` (the caller checked the CPU has VNNI), and checks them on a
+    known input. Call it after cpu_kernels.compile(), which chooses numba's target and
+    threading layer."""
+    global _int8_kernels, _block_kernels
+    from . import cpu_block_kernels, cpu_int8_kernels
 
-        _blocks = cpu_block_kernels.KERNELS
-    if int8 and _int8 is None:
-        from . import cpu_int8_kernels
-
-        _int8 = cpu_int8_kernels.KERNELS
+    _int8_kernels, _block_kernels = cpu_int8_kernels, cpu_block_kernels
     for path in ("blocks", "int8") if int8 else ("blocks",):
         _smoke(path)
 
@@ -61,7 +60,8 @@ def _smoke(path: str) -> None:
 
 
 def specializations() -> int:
-    return sum(len(k.signatures) for kernels in (_int8 or (), _blocks or ()) for k in kernels)
+    modules = [m for m in (_int8_kernels, _block_kernels) if m is not None]
+    return sum(len(k.signatures) for m in modules for k in m.KERNELS)
 
 
 def unsigned(codes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -84,7 +84,8 @@ class Quantized:
         self.ql = np.empty((tokens, i), np.int8)
         self.dx = np.empty((tokens, i // BLOCK), np.float32)
         self.c = np.empty((tokens, i // BLOCK), np.float32)
-        _quantize()(np.ascontiguousarray(x, dtype=np.float32), colscale, self.qh, self.ql, self.dx, self.c)
+        _int8_kernels.quantize(np.ascontiguousarray(x, dtype=np.float32), colscale, self.qh, self.ql, self.dx,
+                               self.c)
         self._values = None
 
     def values(self) -> np.ndarray:
@@ -92,20 +93,8 @@ class Quantized:
         if self._values is None:
             tokens, i = self.qh.shape
             self._values = np.empty((i, tokens), np.float32)
-            _dequantize()(self.qh, self.ql, self.dx, self._values)
+            _int8_kernels.dequantize(self.qh, self.ql, self.dx, self._values)
         return self._values
-
-
-def _quantize():
-    from . import cpu_int8_kernels  # numba-compiled, but needs no VNNI
-
-    return cpu_int8_kernels.quantize
-
-
-def _dequantize():
-    from . import cpu_int8_kernels
-
-    return cpu_int8_kernels.dequantize
 
 
 class BlockProduct:
@@ -185,17 +174,17 @@ class BlockProduct:
             if out is None:
                 out = np.empty((tokens, self.shape[0]) if self.head else (self.shape[0], tokens), np.float32)
             codes = self.u4 if self.u4 is not None else self.u
-            _int8[4](codes, self.d, self.m, np.ascontiguousarray(x, dtype=np.float32), self.colscale, out,
-                     self.head, add)
+            x = np.ascontiguousarray(x, dtype=np.float32)
+            _int8_kernels.int8_product(codes, self.d, self.m, x, self.colscale, out, self.head, add)
             return out
         q = Quantized(x, self.colscale)
         if path == "blocks":
             xt = np.ascontiguousarray(q.values().T)  # the kernel reads tokens as rows
             if add and not self.head:
-                _blocks[2](self.u, self.d, self.m, xt, q.c, out, True)
+                _block_kernels.block_matmul(self.u, self.d, self.m, xt, q.c, out, True)
                 return out
             result = np.empty((self.shape[0], tokens), np.float32)
-            _blocks[2](self.u, self.d, self.m, xt, q.c, result, False)
+            _block_kernels.block_matmul(self.u, self.d, self.m, xt, q.c, result, False)
         elif path == "mkl":
             if self.head:
                 result = mkl_products.matmul_token_major(self.packed, q.values())

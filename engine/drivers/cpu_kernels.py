@@ -266,14 +266,6 @@ def paged_attention(q, cache, tables, table_of, lengths, out, tokens: int = 1, s
     _kernels[1](q, cache, tables, table_of, lengths, out)
 
 
-def runs_of(table_of: np.ndarray) -> np.ndarray:
-    """Where each stretch of consecutive queries on one table starts, then the query count."""
-    if len(table_of) == 0:
-        return np.zeros(1, np.int64)
-    change = np.flatnonzero(table_of[1:] != table_of[:-1]) + 1
-    return np.concatenate(([0], change, [len(table_of)])).astype(np.int64)
-
-
 def _set_threads(parallel: bool) -> None:
     if parallel and time.monotonic() - _last_blas < BLAS_SPIN_S:
         parallel = False
@@ -333,11 +325,6 @@ class Kernels:
     def blocks(self) -> int:
         """How many weight matrices run their products on block codes."""
         return len(self._blocks)
-
-    @property
-    def block_bytes(self) -> int:
-        """What the block products hold: codes, and the float32 copies their chosen paths read."""
-        return sum(product.nbytes for _, product in self._blocks.values())
 
     def measure(self, max_tokens: int, head_tokens: int) -> list:
         """Times each block product's paths for steps of up to `max_tokens` tokens (the head:
