@@ -1,13 +1,13 @@
 """The CPU driver's attention over its paged KV cache, and the step layout it works from.
 
 KV: one array per layer, kv_cache_shape(): (2 [K, V], kv_heads, num_blocks, block_size,
-head_dim). Decode tokens, and the tokens of short rows (speculative verification), are
-paged queries: each attends its own row's keys up to its own position. With the compiled
-kernels they are read in place through the block table; on the plain NumPy path each
-query's blocks are gathered (block_size x head_dim floats per copy) into one contiguous
-context, and attention is two batched products for all queries together. Prefill chunks
-gather their row once and attend in causal query tiles. Never a loop over rows or blocks in
-Python. Masks are additive float32 biases (0 or -inf) built once per step on the host and
+head_dim). Paged queries attend their own row's keys up to their own position: with the
+compiled kernels every fed token is one, read in place through the block table (a row's
+several tokens in tiles, cpu_attention_tile). On the plain NumPy path only decode tokens
+are: each query's blocks are gathered (block_size x head_dim floats per copy) into one
+contiguous context, and attention is two batched products for all queries together; prefill
+chunks gather their row once and attend in causal query tiles. Never a loop over rows or
+blocks in Python. Masks are additive float32 biases (0 or -inf) built once per step on the host and
 shared by every layer; softmax is normalised after the value product (fewer divisions).
 """
 
@@ -52,8 +52,8 @@ class StepLayout:
     positions: np.ndarray  # (T,) rotary position of each fed token
     write_block: np.ndarray  # (T,) physical block each token's K/V goes to
     write_offset: np.ndarray  # (T,) slot within that block
-    # Paged queries: tokens that attend their row's blocks in place, one query at a time
-    # (decode tokens, and the tokens of short rows such as speculative verification).
+    # Paged queries: tokens that attend their row's blocks in place (decode tokens; with the
+    # compiled kernels, every token).
     paged_idx: np.ndarray  # (Q,) token index of each paged query
     paged_tables: np.ndarray  # (R, B) block table of each row they come from, padded with its first block
     paged_table_of: np.ndarray  # (Q,) which of those tables a query reads
@@ -135,7 +135,6 @@ def attention(xp, q, cache, paged, prefills, kv_heads: int, kernels=None):
         out[idx] = op
     if out is None:
         out = xp.empty((t, heads * hd), dtype=q.dtype)
-    bmm = kernels.batched_matmul if kernels is not None else xp.matmul
     for first, n, ctx, blocks, bias in prefills:
         kv = xp.take(cache, blocks, axis=2).reshape(2, kv_heads, -1, hd)  # (2, kvh, L, hd)
         # Long chunks go in query tiles, each against the keys up to its last position only
@@ -145,13 +144,8 @@ def attention(xp, q, cache, paged, prefills, kv_heads: int, kernels=None):
             m = i1 - i0
             keys = ctx - (n - i1)  # keys up to the tile's last position
             qp = q[first + i0 : first + i1].reshape(m, kv_heads, groups, hd).transpose(1, 2, 0, 3)
-            scores = bmm(qp.reshape(kv_heads, groups * m, hd), kv[0, :, :keys].swapaxes(-1, -2))
-            if kernels is not None:  # the causal mask is implied by each query's position
-                inv = kernels.causal_softmax(scores, m)
-                o = bmm(scores, kv[1, :, :keys])
-                o *= inv[..., None]
-            else:
-                scores.reshape(kv_heads, groups, m, keys)[...] += bias[i0:i1, :keys]
-                o = softmax_apply(xp, scores, kv[1, :, :keys])  # (kvh, g * m, hd)
+            scores = xp.matmul(qp.reshape(kv_heads, groups * m, hd), kv[0, :, :keys].swapaxes(-1, -2))
+            scores.reshape(kv_heads, groups, m, keys)[...] += bias[i0:i1, :keys]
+            o = softmax_apply(xp, scores, kv[1, :, :keys])  # (kvh, g * m, hd)
             out[first + i0 : first + i1] = o.reshape(kv_heads, groups, m, hd).transpose(2, 0, 1, 3).reshape(m, heads * hd)
     return out

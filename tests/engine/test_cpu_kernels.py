@@ -4,7 +4,11 @@ Invariants:
 - few_token_matmul(W, X) == W @ X for every token count it is used for;
 - paged_attention gives each query softmax(q . K[:length]) V[:length] over its own row's
   blocks, read in place through the block table (no gathered copy), for any tables,
-  lengths (partial last blocks) and GQA grouping; keys past a query's length never count.
+  lengths (partial last blocks) and GQA grouping; keys past a query's length never count;
+- a row fed several tokens (consecutive queries of one table) goes in lane tiles, which
+  agree with the same reference for any token count, grouping (tiles of 16 // group tokens,
+  or one query at a time past 8 heads a group), block size and head size, and are not
+  touched by NaN in keys or values past a query's length.
 """
 
 from __future__ import annotations
@@ -57,6 +61,51 @@ def test_paged_attention_matches_reference(seed, rows, kv_heads, group, block_si
     np.testing.assert_allclose(out, reference_attention(q, cache, tables, table_of, lengths), atol=2e-5, rtol=1e-4)
 
 
+def row_queries(rng, rows, kv_heads, group, block_size, hd, num_blocks=96):
+    """Each row fed a run of consecutive tokens, as a step lays out a row's tokens."""
+    width = num_blocks // rows
+    tables = rng.permutation(num_blocks)[: rows * width].reshape(rows, width).astype(np.int64)
+    table_of, lengths = [], []
+    for r in range(rows):
+        fed = int(rng.integers(1, 21))
+        start = int(rng.integers(0, width * block_size - fed + 1))
+        table_of += [r] * fed
+        lengths += range(start + 1, start + fed + 1)  # each token sees up to its own position
+    table_of, lengths = np.array(table_of, np.int64), np.array(lengths, np.int64)
+    q = rng.standard_normal((len(table_of), kv_heads * group, hd), dtype=np.float32)
+    return q, tables, table_of, lengths
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), rows=st.integers(1, 4), kv_heads=st.sampled_from([1, 3]),
+       group=st.sampled_from([1, 3, 4, 8, 20]), block_size=st.sampled_from([1, 4, 16]), hd=st.sampled_from([6, 64]))
+def test_paged_attention_tiles_of_a_rows_tokens(seed, rows, kv_heads, group, block_size, hd):
+    rng = np.random.default_rng(seed)
+    cache = rng.standard_normal((2, kv_heads, 96, block_size, hd), dtype=np.float32)
+    q, tables, table_of, lengths = row_queries(rng, rows, kv_heads, group, block_size, hd)
+    out = np.empty((len(q), kv_heads * group * hd), np.float32)
+    cpu_kernels.paged_attention(q, cache, tables, table_of, lengths, out)
+    np.testing.assert_allclose(out, reference_attention(q, cache, tables, table_of, lengths), atol=2e-5, rtol=1e-4)
+
+
+def test_paged_attention_tiles_ignore_nan_past_the_length():
+    rng = np.random.default_rng(2)
+    block_size, hd, group = 4, 8, 3
+    cache = rng.standard_normal((2, 1, 96, block_size, hd), dtype=np.float32)
+    tables = rng.permutation(96)[:24][None, :].astype(np.int64)
+    lengths = np.arange(76, 83, dtype=np.int64)  # 7 tokens; the last sees 82 keys, half its last block
+    table_of = np.zeros(len(lengths), np.int64)
+    q = rng.standard_normal((len(lengths), group, hd), dtype=np.float32)
+    before = np.empty((len(q), group * hd), np.float32)
+    cpu_kernels.paged_attention(q, cache, tables, table_of, lengths, before)
+    cache[:, :, tables[0, 20], 2:] = np.nan  # the row's keys past its last token's position
+    cache[:, :, tables[0, 21:]] = np.nan
+    cache[:, :, np.setdiff1d(np.arange(96), tables[0])] = np.nan  # blocks that are not the row's
+    after = np.empty_like(before)
+    cpu_kernels.paged_attention(q, cache, tables, table_of, lengths, after)
+    np.testing.assert_array_equal(before, after)
+
+
 def test_paged_attention_ignores_keys_past_the_length():
     rng = np.random.default_rng(1)
     cache = rng.standard_normal((2, 1, 4, 4, 8), dtype=np.float32)
@@ -87,31 +136,6 @@ def test_matmul_outside_the_few_token_range_is_blas():
     for tokens in (max(cpu_kernels.FEW_TOKENS) + 1, 40):
         x = rng.standard_normal((32, tokens), dtype=np.float32)
         np.testing.assert_array_equal(cpu_kernels.matmul(w, x), w @ x)
-
-
-def reference_causal_softmax(scores, m):
-    """float64: row r of each stack is query r % m of a tile whose last query sees every key
-    and whose query i sees keys - (m - 1 - i) of them."""
-    keys = scores.shape[2]
-    valid = keys - (m - 1 - np.arange(scores.shape[1]) % m)
-    masked = np.where(np.arange(keys)[None, :] < valid[:, None], scores.astype(np.float64), -np.inf)
-    p = np.exp(masked - masked.max(axis=-1, keepdims=True))
-    return p, 1.0 / p.sum(axis=-1)
-
-
-@settings(max_examples=40, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), stacks=st.integers(1, 3), group=st.integers(1, 3),
-       m=st.integers(1, 40), earlier=st.integers(0, 50), scale=st.sampled_from([0.1, 10.0, 80.0]))
-def test_causal_softmax_matches_reference(seed, stacks, group, m, earlier, scale):
-    rng = np.random.default_rng(seed)
-    keys = earlier + m
-    scores = (rng.standard_normal((stacks, group * m, keys)) * scale).astype(np.float32)
-    p, inv = reference_causal_softmax(scores, m)
-    got_inv = cpu_kernels.causal_softmax(scores, m)
-    # Masked keys come out exactly zero: the value product that follows reads every column.
-    assert np.all(scores[p == 0] == 0)
-    np.testing.assert_allclose(scores, p, atol=1e-6, rtol=1e-5)
-    np.testing.assert_allclose(got_inv, inv, rtol=1e-5)
 
 
 @pytest.mark.parametrize("tokens", [1, 5, 33, 300])

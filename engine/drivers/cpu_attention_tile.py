@@ -1,0 +1,145 @@
+"""One block of keys against a tile of query vectors, in 16-lane float vectors (LLVM IR in a
+numba intrinsic): the inner step of paged attention for a row fed several tokens (a prompt's
+few uncached tokens after a prefix-cache hit, speculative verification).
+
+Lane x of every vector is one query vector (a query head of one of the row's tokens), so the
+scores of a key against the whole tile are one vector: e^x, the running maximum, the masks
+and the value product all run across lanes, with no horizontal sum. numba's own loops over
+16 lanes of an array came out scalar, which is why this is written out here. Portable IR:
+LLVM splits the 16-lane vectors into whatever the CPU has.
+
+    tile_block(qt, cache, block, h, base, used, limit, s, acc, top, den)
+
+qt (hd, 16): the tile's queries, pre-scaled, transposed; cache: one layer's paged KV
+(2, kv_heads, blocks, block_size, hd); `block`: the physical block, `h` its kv head, `base` the
+position of its first key, `used` how many of its keys to read; limit (16,) int32: lane x sees
+positions below limit[x]; s (block_size, 16): scratch; acc (hd, 16), top (16,), den (16,): the
+online softmax's running value sum, maximum and denominator, updated in place.
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+LANES = 16
+WAYS = 4  # keys (then features) a loop step: independent FMA chains hide the FMA's latency
+
+_F32, _I32 = ir.FloatType(), ir.IntType(32)
+_VF, _VI = ir.VectorType(_F32, LANES), ir.VectorType(_I32, LANES)
+_ZERO_MASK = ir.Constant(_VI, [0] * LANES)
+
+
+def _splat(builder, value, vector):
+    one = builder.insert_element(ir.Constant(vector, ir.Undefined), value, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(one, ir.Constant(vector, ir.Undefined), _ZERO_MASK)
+
+
+def _const(value: float):
+    return ir.Constant(_VF, [value] * LANES)
+
+
+def _exp(builder, module, x):
+    """e^x per lane, the same range reduction and polynomial as cpu_kernels_numba.exp."""
+    floor = cgutils.get_or_insert_function(module, ir.FunctionType(_VF, [_VF]), "llvm.floor.v16f32")
+    fma = cgutils.get_or_insert_function(module, ir.FunctionType(_VF, [_VF] * 3), "llvm.fma.v16f32")
+    x = builder.select(builder.fcmp_ordered(">", x, _const(-87.0)), x, _const(-87.0))
+    x = builder.select(builder.fcmp_ordered("<", x, _const(88.0)), x, _const(88.0))
+    n = builder.call(floor, [builder.call(fma, [x, _const(1.44269504), _const(0.5)])])
+    r = builder.fadd(builder.fsub(x, builder.fmul(n, _const(0.693359375))), builder.fmul(n, _const(2.12194440e-4)))
+    p = _const(1.9875691500e-4)
+    for c in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
+        p = builder.call(fma, [p, r, _const(c)])
+    p = builder.fadd(builder.call(fma, [builder.fmul(p, r), r, r]), _const(1.0))
+    scale = builder.shl(builder.add(builder.fptosi(n, _VI), ir.Constant(_VI, [127] * LANES)),
+                        ir.Constant(_VI, [23] * LANES))
+    return builder.fmul(p, builder.bitcast(scale, _VF))
+
+
+@intrinsic
+def tile_block(typingctx, qt, cache, block, h, base, used, limit, s, acc, top, den):
+    sig = types.void(qt, cache, types.intp, types.intp, types.intp, types.intp, limit, s, acc, top, den)
+
+    def codegen(context, builder, signature, args):
+        kinds = signature.args
+        qt_a, cache_a = (context.make_array(k)(context, builder, a) for k, a in zip(kinds[:2], args[:2], strict=True))
+        block, h, base, used = args[2:6]
+        limit_a, s_a, acc_a, top_a, den_a = (context.make_array(k)(context, builder, a)
+                                             for k, a in zip(kinds[6:], args[6:], strict=True))
+        module = builder.module
+        fma = cgutils.get_or_insert_function(module, ir.FunctionType(_VF, [_VF] * 3), "llvm.fma.v16f32")
+        kv_heads, blocks, block_size, hd = (builder.extract_value(cache_a.shape, i) for i in range(1, 5))
+        span = builder.mul(block_size, hd)
+        keys = builder.gep(cache_a.data, [builder.mul(builder.add(builder.mul(h, blocks), block), span)])
+        head_v = builder.add(kv_heads, h)
+        values = builder.gep(cache_a.data, [builder.mul(builder.add(builder.mul(head_v, blocks), block), span)])
+        qt_v = builder.bitcast(qt_a.data, _VF.as_pointer())
+        s_v = builder.bitcast(s_a.data, _VF.as_pointer())
+        acc_v = builder.bitcast(acc_a.data, _VF.as_pointer())
+        top_v = builder.bitcast(top_a.data, _VF.as_pointer())
+        den_v = builder.bitcast(den_a.data, _VF.as_pointer())
+        limit = builder.load(builder.bitcast(limit_a.data, _VI.as_pointer()), align=4)
+        minus_inf = _const(float("-inf"))
+        zero, one, ways = (ir.Constant(used.type, k) for k in (0, 1, WAYS))
+
+        def clamp(i, top):
+            return builder.select(builder.icmp_signed("<", i, top), i, top)
+
+        def visible(t):
+            pos = builder.trunc(builder.add(base, t), _I32)
+            return builder.icmp_signed("<", _splat(builder, pos, _VI), limit)
+
+        # Scores: s[t] = sum_e qt[e] * k[t, e], one vector per key, WAYS keys at a time (each qt[e]
+        # load serves them all, and their sums are independent chains); keys a lane may not see: -inf.
+        last = builder.sub(used, one)
+        with cgutils.for_range_slice(builder, zero, used, ways) as (t0, _):
+            ts = [clamp(builder.add(t0, ir.Constant(t0.type, k)), last) for k in range(WAYS)]
+            rows = [builder.gep(keys, [builder.mul(t, hd)]) for t in ts]
+            scores = [cgutils.alloca_once_value(builder, _const(0.0)) for _ in ts]
+            with cgutils.for_range(builder, hd) as e_loop:
+                e = e_loop.index
+                q = builder.load(builder.gep(qt_v, [e]), align=4)
+                for row, score in zip(rows, scores, strict=True):
+                    k = _splat(builder, builder.load(builder.gep(row, [e])), _VF)
+                    builder.store(builder.call(fma, [q, k, builder.load(score)]), score)
+            for t, score in zip(ts, scores, strict=True):  # a clamped duplicate stores the same value
+                builder.store(builder.select(visible(t), builder.load(score), minus_inf), builder.gep(s_v, [t]), align=4)
+        # The running maximum, and the rescale of what was summed under the old one.
+        old = builder.load(top_v, align=4)
+        top = cgutils.alloca_once_value(builder, old)
+        with cgutils.for_range(builder, used) as t_loop:
+            v = builder.load(builder.gep(s_v, [t_loop.index]), align=4)
+            m = builder.load(top)
+            builder.store(builder.select(builder.fcmp_ordered(">", v, m), v, m), top)
+        new = builder.load(top)
+        builder.store(new, top_v, align=4)
+        rescale = _exp(builder, module, builder.fsub(old, new))
+        den = cgutils.alloca_once_value(builder, builder.fmul(builder.load(den_v, align=4), rescale))
+        with cgutils.for_range(builder, used) as t_loop:
+            t = t_loop.index
+            at = builder.gep(s_v, [t])
+            p = _exp(builder, module, builder.fsub(builder.load(at, align=4), new))
+            p = builder.select(visible(t), p, _const(0.0))  # e^-inf saturates at ~1e-38: an exact 0
+            builder.store(p, at, align=4)
+            builder.store(builder.fadd(builder.load(den), p), den)
+        builder.store(builder.load(den), den_v, align=4)
+        # Values: acc[e] = acc[e] * rescale + sum_t p[t] * v[t, e], WAYS features at a time.
+        last_e = builder.sub(hd, one)
+        with cgutils.for_range_slice(builder, zero, hd, ways) as (e0, _):
+            es = [clamp(builder.add(e0, ir.Constant(e0.type, k)), last_e) for k in range(WAYS)]
+            ats = [builder.gep(acc_v, [e]) for e in es]
+            totals = [cgutils.alloca_once_value(builder, builder.fmul(builder.load(at, align=4), rescale)) for at in ats]
+            with cgutils.for_range(builder, used) as t_loop:
+                t = t_loop.index
+                p = builder.load(builder.gep(s_v, [t]), align=4)
+                row = builder.gep(values, [builder.mul(t, hd)])
+                for e, total in zip(es, totals, strict=True):
+                    v = _splat(builder, builder.load(builder.gep(row, [e])), _VF)
+                    builder.store(builder.call(fma, [p, v, builder.load(total)]), total)
+            for at, total in zip(ats, totals, strict=True):
+                builder.store(builder.load(total), at, align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
