@@ -143,3 +143,110 @@ def tile_block(typingctx, qt, cache, block, h, base, used, limit, s, acc, top, d
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+def _lanes_sum(builder, vectors):
+    """Sixteen 16-lane vectors -> one whose lane t is the sum of vectors[t]'s lanes: four
+    rounds of pairing halves, quarters, eighths and neighbours (30 shuffles and 15 adds, where
+    one horizontal sum per vector would take 16 of those trees)."""
+    def pair(x, y, lo, hi):
+        mask_lo = ir.Constant(ir.VectorType(_I32, LANES), lo)
+        mask_hi = ir.Constant(ir.VectorType(_I32, LANES), hi)
+        return builder.fadd(builder.shuffle_vector(x, y, mask_lo), builder.shuffle_vector(x, y, mask_hi))
+
+    for width in (8, 4, 2, 1):  # each round halves how many lanes hold one vector's partial sums
+        lo = [i for i in range(LANES) if (i // width) % 2 == 0]
+        hi = [i for i in range(LANES) if (i // width) % 2 == 1]
+        lo, hi = lo + [LANES + i for i in lo], hi + [LANES + i for i in hi]
+        vectors = [pair(vectors[i], vectors[i + 1], lo, hi) for i in range(0, len(vectors), 2)]
+    return vectors[0]
+
+
+def _sum(builder, v):
+    """The sum of a vector's lanes, as a tree (an in-order reduction would chain 16 adds)."""
+    width = LANES
+    while width > 1:
+        width //= 2
+        mask = ir.Constant(ir.VectorType(_I32, LANES), [(i + width) % LANES for i in range(LANES)])
+        v = builder.fadd(v, builder.shuffle_vector(v, ir.Constant(_VF, ir.Undefined), mask))
+    return builder.extract_element(v, ir.Constant(_I32, 0))
+
+
+@intrinsic
+def query_block(typingctx, q, cache, n, block, h, used, acc, top, den):
+    """One query's group of query heads against one block of exactly LANES keys (block_size
+    16, hd a multiple of 16): the scores of the block's keys for a head are one vector (dot
+    products summed across lanes by _lanes_sum), so e^x and the softmax run across keys, and
+    the value product keeps hd / 16 vector accumulators per head. Keys past `used` are read
+    as the last used key (in the block, finite) and weigh exactly 0. q (Q, heads, hd);
+    acc (group, hd), top (group,), den (group,) float32: the online softmax's state."""
+    sig = types.void(q, cache, types.intp, types.intp, types.intp, types.intp, acc, top, den)
+
+    def codegen(context, builder, signature, args):
+        kinds = signature.args
+        q_a, cache_a = (context.make_array(k)(context, builder, a) for k, a in zip(kinds[:2], args[:2], strict=True))
+        n, block, h, used = args[2:6]
+        acc_a, top_a, den_a = (context.make_array(k)(context, builder, a) for k, a in zip(kinds[6:], args[6:], strict=True))
+        module = builder.module
+        fma = cgutils.get_or_insert_function(module, ir.FunctionType(_VF, [_VF] * 3), "llvm.fma.v16f32")
+        vmax = cgutils.get_or_insert_function(module, ir.FunctionType(_F32, [_VF]), "llvm.vector.reduce.fmax.v16f32")
+        heads, hd = builder.extract_value(q_a.shape, 1), builder.extract_value(q_a.shape, 2)
+        kv_heads, blocks = builder.extract_value(cache_a.shape, 1), builder.extract_value(cache_a.shape, 2)
+        group = builder.sdiv(heads, kv_heads)
+        chunks = builder.sdiv(hd, ir.Constant(hd.type, LANES))
+        span = builder.mul(ir.Constant(hd.type, LANES), hd)
+        keys = builder.gep(cache_a.data, [builder.mul(builder.add(builder.mul(h, blocks), block), span)])
+        values = builder.gep(cache_a.data, [builder.mul(builder.add(builder.mul(builder.add(kv_heads, h), blocks),
+                                                                                block), span)])
+        last = builder.sub(used, ir.Constant(used.type, 1))
+        starts = []  # key t's offset in its block, clamped to the last used key
+        for t in range(LANES):
+            tt = ir.Constant(used.type, t)
+            starts.append(builder.mul(builder.select(builder.icmp_signed("<", tt, used), tt, last), hd))
+        rows = [builder.gep(keys, [k]) for k in starts]
+        vrows = [builder.gep(values, [k]) for k in starts]
+        seen = builder.icmp_signed("<", ir.Constant(_VI, list(range(LANES))),
+                                   _splat(builder, builder.trunc(used, _I32), _VI))
+        as_vector = _VF.as_pointer()
+        weights_at = cgutils.alloca_once(builder, _VF)
+        weight = builder.bitcast(weights_at, _F32.as_pointer())
+        with cgutils.for_range(builder, group) as g_loop:
+            g = g_loop.index
+            head = builder.add(builder.mul(h, group), g)
+            qrow = builder.gep(q_a.data, [builder.mul(builder.add(builder.mul(n, heads), head), hd)])
+            partial = [cgutils.alloca_once_value(builder, _const(0.0)) for _ in range(LANES)]
+            with cgutils.for_range(builder, chunks) as c_loop:
+                off = builder.mul(c_loop.index, ir.Constant(hd.type, LANES))
+                qv = builder.load(builder.bitcast(builder.gep(qrow, [off]), as_vector), align=4)
+                for t in range(LANES):
+                    kv = builder.load(builder.bitcast(builder.gep(rows[t], [off]), as_vector), align=4)
+                    builder.store(builder.call(fma, [qv, kv, builder.load(partial[t])]), partial[t])
+            scores = builder.select(seen, _lanes_sum(builder, [builder.load(p) for p in partial]), _const(float("-inf")))
+            top_at = builder.gep(top_a.data, [g])
+            old = builder.load(top_at)
+            big = builder.call(vmax, [scores])
+            new = builder.select(builder.fcmp_ordered(">", big, old), big, old)
+            builder.store(new, top_at)
+            rescale = _exp(builder, module, _splat(builder, builder.fsub(old, new), _VF))
+            p = builder.select(seen, _exp(builder, module, builder.fsub(scores, _splat(builder, new, _VF))), _const(0.0))
+            den_at = builder.gep(den_a.data, [g])
+            total = _sum(builder, p)
+            scale = builder.extract_element(rescale, ir.Constant(_I32, 0))
+            builder.store(builder.fadd(builder.fmul(builder.load(den_at), scale), total), den_at)
+            # The weights go through memory: a broadcast from memory folds into the FMA, where
+            # a lane extracted from a register costs three instructions.
+            builder.store(p, weights_at, align=4)
+            weights = [_splat(builder, builder.load(builder.gep(weight, [ir.Constant(_I32, t)])), _VF)
+                       for t in range(LANES)]
+            arow = builder.gep(acc_a.data, [builder.mul(g, hd)])
+            with cgutils.for_range(builder, chunks) as c_loop:
+                off = builder.mul(c_loop.index, ir.Constant(hd.type, LANES))
+                at = builder.bitcast(builder.gep(arow, [off]), as_vector)
+                sums = [builder.fmul(builder.load(at, align=4), rescale)] + [_const(0.0)] * 3
+                for t in range(LANES):  # four chains, for the FMA's latency
+                    vv = builder.load(builder.bitcast(builder.gep(vrows[t], [off]), as_vector), align=4)
+                    sums[t % 4] = builder.call(fma, [weights[t], vv, sums[t % 4]])
+                builder.store(builder.fadd(builder.fadd(sums[0], sums[1]), builder.fadd(sums[2], sums[3])), at, align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen

@@ -21,7 +21,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from .cpu_attention_tile import LANES, tile_block
+from .cpu_attention_tile import LANES, query_block, tile_block
 
 ROWS_PER_TASK = 32  # weight rows per parallel task: enough work to hide the task's start-up
 # No nnan/ninf: the running maximum of the softmax starts at -inf.
@@ -151,6 +151,24 @@ def query_task(q, cache, table, length, out, n, h):
 
 
 @njit(nogil=True, fastmath=FASTMATH, cache=True, boundscheck=False, error_model=ERRORS)
+def query_task_lanes(q, cache, table, length, out, n, h):
+    """query_task for blocks of LANES keys and head sizes a multiple of LANES: a block's
+    scores for a head are one vector (cpu_attention_tile.query_block)."""
+    heads, hd = q.shape[1], q.shape[2]
+    group = heads // cache.shape[1]
+    top = np.full(group, -np.inf, dtype=np.float32)
+    den = np.zeros(group, dtype=np.float32)
+    acc = np.zeros((group, hd), dtype=np.float32)
+    for j in range((length + LANES - 1) // LANES):
+        query_block(q, cache, n, table[j], h, min(LANES, length - j * LANES), acc, top, den)
+    for g in range(group):
+        inv = np.float32(1) / den[g]
+        base = (h * group + g) * hd
+        for e in range(hd):
+            out[n, base + e] = acc[g, e] * inv
+
+
+@njit(nogil=True, fastmath=FASTMATH, cache=True, boundscheck=False, error_model=ERRORS)
 def tile_task(q, cache, table, lengths, out, n0, count, h):
     """Queries n0 .. n0 + count - 1 of one row (count * group <= LANES query vectors, one a
     lane) against the row's keys, a block at a time (cpu_attention_tile)."""
@@ -206,10 +224,13 @@ def paged_attention(q, cache, tables, table_of, lengths, out):
             n += count[tiles]
             run -= count[tiles]
             tiles += 1
+    lanes = cache.shape[3] == LANES and q.shape[2] % LANES == 0
     for task in prange(tiles * kv_heads):
         k, h = task // kv_heads, task % kv_heads
         n0, table = first[k], tables[table_of[first[k]]]
-        if count[k] == 1:
+        if count[k] == 1 and lanes:
+            query_task_lanes(q, cache, table, lengths[n0], out, n0, h)
+        elif count[k] == 1:
             query_task(q, cache, table, lengths[n0], out, n0, h)
         else:
             tile_task(q, cache, table, lengths, out, n0, count[k], h)
