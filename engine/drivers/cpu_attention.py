@@ -3,7 +3,7 @@
 KV: one array per layer, kv_cache_shape(): (2 [K, V], kv_heads, num_blocks, block_size,
 head_dim). Paged queries attend their own row's keys up to their own position: with the
 compiled kernels every fed token is one, read in place through the block table (a row's
-several tokens in tiles, cpu_attention_tile). On the plain NumPy path only decode tokens
+several tokens in tiles, cpu_attention_kernels). On the plain NumPy path only decode tokens
 are: each query's blocks are gathered (block_size x head_dim floats per copy) into one
 contiguous context, and attention is two batched products for all queries together; prefill
 chunks gather their row once and attend in causal query tiles. Never a loop over rows or

@@ -11,10 +11,11 @@ on the table in a decode step:
   one-row step several times slower.
 - paged_attention: every fed token attends its own row's keys in place, block by block
   through the row's block table, with an online softmax: no gathered copy of the context
-  (the copy was most of a many-row step's attention), no per-row Python loop. A row fed
+  (the copy was most of a many-row step's attention), no per-row Python loop. A decode
+  token scores a block's 16 keys as one vector per head (cpu_attention_kernels). A row fed
   several tokens (a prompt chunk, the few uncached tokens of a prefix-cache hit, speculative
   verification) goes in tiles of 16 query vectors that read each key once
-  (cpu_attention_tile): 2-4x the one-query-at-a-time loop, and 1.3-2x causal tiles of MKL
+  (cpu_attention_kernels): 2-4x the one-query-at-a-time loop, and 1.3-2x causal tiles of MKL
   products over a gathered copy, at 2 to 512 tokens against 16 to 2,048 keys.
 - rms_scale, rope_store, silu_mul: the glue between a step's products (norm, rotary with the
   KV write, SiLU times up), one call each instead of several NumPy passes; split across
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import NamedTuple
 
 import numpy as np
 
@@ -72,9 +74,24 @@ def _build():
     numba.config.THREADING_LAYER = "threadsafe"
     numba.config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]
 
-    from . import cpu_kernels_numba
+    from . import cpu_attention_kernels as att
+    from . import cpu_kernels_numba as nb
 
-    return cpu_kernels_numba.KERNELS
+    return KernelSet(nb.few_token_matmul, att.paged_attention, nb.rms_scale, nb.silu_mul, nb.rope_store,
+                     nb.rms_run, nb.silu_rows, nb.rope_run)
+
+
+class KernelSet(NamedTuple):
+    """The compiled kernels the driver calls, by name."""
+
+    few_token_matmul: object
+    paged_attention: object
+    rms_scale: object
+    silu_mul: object
+    rope_store: object
+    rms_run: object
+    silu_rows: object
+    rope_run: object
 
 
 def _prefer_wide_vectors(numba) -> None:

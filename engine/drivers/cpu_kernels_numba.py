@@ -14,14 +14,12 @@ answers /health, runs in the same process and would otherwise stop for each kern
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from .cpu_attention_tile import LANES, query_block, tile_block
 
 ROWS_PER_TASK = 32  # weight rows per parallel task: enough work to hide the task's start-up
 # No nnan/ninf: the running maximum of the softmax starts at -inf.
@@ -103,137 +101,6 @@ def few_token_matmul(w, xt, out):
                 out[r, t] = a
             r += 1
 
-
-@njit(nogil=True, fastmath=FASTMATH, cache=True, boundscheck=False, error_model=ERRORS)
-def query_task(q, cache, table, length, out, n, h):
-    """Query n's heads of kv head h against its row's keys 0 .. length - 1, one key at a time
-    for the group of query heads that share it."""
-    heads, hd = q.shape[1], q.shape[2]
-    kv_heads, block_size = cache.shape[1], cache.shape[3]
-    group = heads // kv_heads
-    qg = q[n, h * group : (h + 1) * group]
-    top = np.full(group, -np.inf, dtype=np.float32)  # running max of the scores
-    den = np.zeros(group, dtype=np.float32)
-    acc = np.zeros((group, hd), dtype=np.float32)
-    p = np.empty((group, block_size), dtype=np.float32)
-    for j in range((length + block_size - 1) // block_size):
-        keys, values = cache[0, h, table[j]], cache[1, h, table[j]]
-        used = min(block_size, length - j * block_size)
-        for t in range(used):  # each key is loaded once for the whole group
-            for g in range(group):
-                s = np.float32(0)
-                for e in range(hd):
-                    s += qg[g, e] * keys[t, e]
-                p[g, t] = s
-        for g in range(group):
-            m = top[g]
-            for t in range(used):
-                m = max(m, p[g, t])
-            rescale = np.float32(math.exp(top[g] - m))
-            top[g] = m
-            total = den[g] * rescale
-            for e in range(hd):
-                acc[g, e] *= rescale
-            for t in range(used):
-                p[g, t] = exp(p[g, t] - m)
-                total += p[g, t]
-            den[g] = total
-        for t in range(used):
-            for g in range(group):
-                pt = p[g, t]
-                for e in range(hd):
-                    acc[g, e] += pt * values[t, e]
-    for g in range(group):
-        inv = np.float32(1) / den[g]
-        base = (h * group + g) * hd
-        for e in range(hd):
-            out[n, base + e] = acc[g, e] * inv
-
-
-@njit(nogil=True, fastmath=FASTMATH, cache=True, boundscheck=False, error_model=ERRORS)
-def query_task_lanes(q, cache, table, length, out, n, h):
-    """query_task for blocks of LANES keys and head sizes a multiple of LANES: a block's
-    scores for a head are one vector (cpu_attention_tile.query_block)."""
-    heads, hd = q.shape[1], q.shape[2]
-    group = heads // cache.shape[1]
-    top = np.full(group, -np.inf, dtype=np.float32)
-    den = np.zeros(group, dtype=np.float32)
-    acc = np.zeros((group, hd), dtype=np.float32)
-    for j in range((length + LANES - 1) // LANES):
-        query_block(q, cache, n, table[j], h, min(LANES, length - j * LANES), acc, top, den)
-    for g in range(group):
-        inv = np.float32(1) / den[g]
-        base = (h * group + g) * hd
-        for e in range(hd):
-            out[n, base + e] = acc[g, e] * inv
-
-
-@njit(nogil=True, fastmath=FASTMATH, cache=True, boundscheck=False, error_model=ERRORS)
-def tile_task(q, cache, table, lengths, out, n0, count, h):
-    """Queries n0 .. n0 + count - 1 of one row (count * group <= LANES query vectors, one a
-    lane) against the row's keys, a block at a time (cpu_attention_tile)."""
-    heads, hd = q.shape[1], q.shape[2]
-    kv_heads, block_size = cache.shape[1], cache.shape[3]
-    group = heads // kv_heads
-    qt = np.zeros((hd, LANES), dtype=np.float32)
-    limit = np.ones(LANES, dtype=np.int32)  # unused lanes see key 0 only, and are not written out
-    length = 0
-    for i in range(count):
-        length = max(length, lengths[n0 + i])
-        for g in range(group):
-            lane = i * group + g
-            limit[lane] = lengths[n0 + i]
-            for e in range(hd):
-                qt[e, lane] = q[n0 + i, h * group + g, e]
-    top = np.full(LANES, -np.inf, dtype=np.float32)
-    den = np.zeros(LANES, dtype=np.float32)
-    acc = np.zeros((hd, LANES), dtype=np.float32)
-    scratch = np.empty((block_size, LANES), dtype=np.float32)
-    for j in range((length + block_size - 1) // block_size):
-        tile_block(qt, cache, table[j], h, j * block_size, min(block_size, length - j * block_size), limit,
-                   scratch, acc, top, den)
-    for i in range(count):
-        for g in range(group):
-            lane = i * group + g
-            inv = np.float32(1) / den[lane]
-            base = (h * group + g) * hd
-            for e in range(hd):
-                out[n0 + i, base + e] = acc[e, lane] * inv
-
-
-@njit(parallel=True, nogil=True, fastmath=FASTMATH, cache=True, boundscheck=False, error_model=ERRORS)
-def paged_attention(q, cache, tables, table_of, lengths, out):
-    """q (Q, heads, hd) pre-scaled; cache (2, kv_heads, blocks, block_size, hd); query n
-    attends keys 0 .. lengths[n] - 1 of the blocks tables[table_of[n]]; out (Q, heads * hd).
-    A row's consecutive queries (several tokens fed) go in tiles of up to LANES query vectors,
-    which read each key once for the tile; a lone query (decode) goes on its own."""
-    queries, heads = q.shape[0], q.shape[1]
-    kv_heads = cache.shape[1]
-    per = LANES // (heads // kv_heads)  # a tile's most tokens
-    first = np.empty(queries, np.int64)
-    count = np.empty(queries, np.int64)
-    tiles, n = 0, 0
-    while n < queries:
-        run = 1
-        while n + run < queries and table_of[n + run] == table_of[n]:
-            run += 1
-        parts = (run + per - 1) // per if per > 1 else run
-        size = (run + parts - 1) // parts  # tiles of even size: more of them to share out
-        while run > 0:
-            first[tiles], count[tiles] = n, min(size, run)
-            n += count[tiles]
-            run -= count[tiles]
-            tiles += 1
-    lanes = cache.shape[3] == LANES and q.shape[2] % LANES == 0
-    for task in prange(tiles * kv_heads):
-        k, h = task // kv_heads, task % kv_heads
-        n0, table = first[k], tables[table_of[first[k]]]
-        if count[k] == 1 and lanes:
-            query_task_lanes(q, cache, table, lengths[n0], out, n0, h)
-        elif count[k] == 1:
-            query_task(q, cache, table, lengths[n0], out, n0, h)
-        else:
-            tile_task(q, cache, table, lengths, out, n0, count[k], h)
 
 # The glue kernels give each thread runs of tokens (cpu_kernels.run_length) and keep their inner loops
 # along contiguous tokens. They index from a run's start with unsigned integers: with a
@@ -321,19 +188,3 @@ def rope_store(qkv, rope, block, offset, cache, q_out, size):
     tokens = q_out.shape[0]
     for run in prange((tokens + size - 1) // size):
         rope_run(qkv, rope, block, offset, cache, q_out, run * size, min(size, tokens - run * size))
-
-
-class KernelSet(NamedTuple):
-    """The kernels the driver calls from Python, by name."""
-
-    few_token_matmul: object
-    paged_attention: object
-    rms_scale: object
-    silu_mul: object
-    rope_store: object
-    rms_run: object
-    silu_rows: object
-    rope_run: object
-
-
-KERNELS = KernelSet(few_token_matmul, paged_attention, rms_scale, silu_mul, rope_store, rms_run, silu_rows, rope_run)

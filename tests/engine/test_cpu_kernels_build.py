@@ -24,9 +24,9 @@ def test_every_kernel_releases_the_gil():
     answers /health: a kernel that held the GIL would stop that loop for its whole run."""
     from numba.core.registry import CPUDispatcher
 
-    from poot.engine.drivers import cpu_kernels_numba
+    from poot.engine.drivers import cpu_attention_kernels, cpu_kernels_numba
 
-    kernels = {name: f for name, f in vars(cpu_kernels_numba).items()
+    kernels = {name: f for module in (cpu_kernels_numba, cpu_attention_kernels) for name, f in vars(module).items()
                if isinstance(f, CPUDispatcher) and not f.targetoptions.get("inline") == "always"}
     assert len(kernels) >= 10
     holding = sorted(name for name, f in kernels.items() if not f.targetoptions.get("nogil"))

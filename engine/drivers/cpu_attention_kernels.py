@@ -1,12 +1,17 @@
-"""One block of keys against a tile of query vectors, in 16-lane float vectors (LLVM IR in a
-numba intrinsic): the inner step of paged attention for a row fed several tokens (a prompt's
-few uncached tokens after a prefix-cache hit, speculative verification).
+"""Paged attention on the CPU: every fed token attends its own row's keys in place, block by
+block through the row's block table, with an online softmax (no gathered copy, no per-row
+Python loop). `paged_attention` splits the queries into tasks of one kv head each: a lone
+query (decode) alone, a row's several consecutive tokens in tiles of up to LANES query vectors.
 
-Lane x of every vector is one query vector (a query head of one of the row's tokens), so the
-scores of a key against the whole tile are one vector: e^x, the running maximum, the masks
-and the value product all run across lanes, with no horizontal sum. numba's own loops over
-16 lanes of an array came out scalar, which is why this is written out here. Portable IR:
-LLVM splits the 16-lane vectors into whatever the CPU has.
+The inner steps are 16-lane float vectors written as LLVM IR in numba intrinsics: numba's own
+loops over 16 lanes of an array came out scalar. Portable IR: LLVM splits the vectors into
+whatever the CPU has. They live in this file with every kernel that calls them because numba's
+disk cache is checked against the calling function's own source file only.
+
+tile_block: one block of keys against a tile of query vectors. Lane x of every vector is one
+query vector (a query head of one of the row's tokens), so the scores of a key against the
+whole tile are one vector: e^x, the running maximum, the masks and the value product all run
+across lanes, with no horizontal sum.
 
     tile_block(qt, cache, block, h, base, used, limit, s, acc, top, den)
 
@@ -15,14 +20,21 @@ qt (hd, 16): the tile's queries, pre-scaled, transposed; cache: one layer's page
 position of its first key, `used` how many of its keys to read; limit (16,) int32: lane x sees
 positions below limit[x]; s (block_size, 16): scratch; acc (hd, 16), top (16,), den (16,): the
 online softmax's running value sum, maximum and denominator, updated in place.
+
+query_block: one decode query against a block of 16 keys, lane t being key t (see there).
 """
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 from llvmlite import ir
-from numba import types
+from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
+
+from .cpu_kernels_numba import ERRORS, FASTMATH, exp
 
 LANES = 16
 WAYS = 4  # keys (then features) a loop step: independent FMA chains hide the FMA's latency
@@ -250,3 +262,135 @@ def query_block(typingctx, q, cache, n, block, h, used, acc, top, den):
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+@njit(nogil=True, fastmath=FASTMATH, cache=True, boundscheck=False, error_model=ERRORS)
+def query_task(q, cache, table, length, out, n, h):
+    """Query n's heads of kv head h against its row's keys 0 .. length - 1, one key at a time
+    for the group of query heads that share it."""
+    heads, hd = q.shape[1], q.shape[2]
+    kv_heads, block_size = cache.shape[1], cache.shape[3]
+    group = heads // kv_heads
+    qg = q[n, h * group : (h + 1) * group]
+    top = np.full(group, -np.inf, dtype=np.float32)  # running max of the scores
+    den = np.zeros(group, dtype=np.float32)
+    acc = np.zeros((group, hd), dtype=np.float32)
+    p = np.empty((group, block_size), dtype=np.float32)
+    for j in range((length + block_size - 1) // block_size):
+        keys, values = cache[0, h, table[j]], cache[1, h, table[j]]
+        used = min(block_size, length - j * block_size)
+        for t in range(used):  # each key is loaded once for the whole group
+            for g in range(group):
+                s = np.float32(0)
+                for e in range(hd):
+                    s += qg[g, e] * keys[t, e]
+                p[g, t] = s
+        for g in range(group):
+            m = top[g]
+            for t in range(used):
+                m = max(m, p[g, t])
+            rescale = np.float32(math.exp(top[g] - m))
+            top[g] = m
+            total = den[g] * rescale
+            for e in range(hd):
+                acc[g, e] *= rescale
+            for t in range(used):
+                p[g, t] = exp(p[g, t] - m)
+                total += p[g, t]
+            den[g] = total
+        for t in range(used):
+            for g in range(group):
+                pt = p[g, t]
+                for e in range(hd):
+                    acc[g, e] += pt * values[t, e]
+    for g in range(group):
+        inv = np.float32(1) / den[g]
+        base = (h * group + g) * hd
+        for e in range(hd):
+            out[n, base + e] = acc[g, e] * inv
+
+
+@njit(nogil=True, fastmath=FASTMATH, cache=True, boundscheck=False, error_model=ERRORS)
+def query_task_lanes(q, cache, table, length, out, n, h):
+    """query_task for blocks of LANES keys and head sizes a multiple of LANES: a block's
+    scores for a head are one vector (query_block)."""
+    heads, hd = q.shape[1], q.shape[2]
+    group = heads // cache.shape[1]
+    top = np.full(group, -np.inf, dtype=np.float32)
+    den = np.zeros(group, dtype=np.float32)
+    acc = np.zeros((group, hd), dtype=np.float32)
+    for j in range((length + LANES - 1) // LANES):
+        query_block(q, cache, n, table[j], h, min(LANES, length - j * LANES), acc, top, den)
+    for g in range(group):
+        inv = np.float32(1) / den[g]
+        base = (h * group + g) * hd
+        for e in range(hd):
+            out[n, base + e] = acc[g, e] * inv
+
+
+@njit(nogil=True, fastmath=FASTMATH, cache=True, boundscheck=False, error_model=ERRORS)
+def tile_task(q, cache, table, lengths, out, n0, count, h):
+    """Queries n0 .. n0 + count - 1 of one row (count * group <= LANES query vectors, one a
+    lane) against the row's keys, a block at a time (tile_block)."""
+    heads, hd = q.shape[1], q.shape[2]
+    kv_heads, block_size = cache.shape[1], cache.shape[3]
+    group = heads // kv_heads
+    qt = np.zeros((hd, LANES), dtype=np.float32)
+    limit = np.ones(LANES, dtype=np.int32)  # unused lanes see key 0 only, and are not written out
+    length = 0
+    for i in range(count):
+        length = max(length, lengths[n0 + i])
+        for g in range(group):
+            lane = i * group + g
+            limit[lane] = lengths[n0 + i]
+            for e in range(hd):
+                qt[e, lane] = q[n0 + i, h * group + g, e]
+    top = np.full(LANES, -np.inf, dtype=np.float32)
+    den = np.zeros(LANES, dtype=np.float32)
+    acc = np.zeros((hd, LANES), dtype=np.float32)
+    scratch = np.empty((block_size, LANES), dtype=np.float32)
+    for j in range((length + block_size - 1) // block_size):
+        tile_block(qt, cache, table[j], h, j * block_size, min(block_size, length - j * block_size), limit,
+                   scratch, acc, top, den)
+    for i in range(count):
+        for g in range(group):
+            lane = i * group + g
+            inv = np.float32(1) / den[lane]
+            base = (h * group + g) * hd
+            for e in range(hd):
+                out[n0 + i, base + e] = acc[e, lane] * inv
+
+
+@njit(parallel=True, nogil=True, fastmath=FASTMATH, cache=True, boundscheck=False, error_model=ERRORS)
+def paged_attention(q, cache, tables, table_of, lengths, out):
+    """q (Q, heads, hd) pre-scaled; cache (2, kv_heads, blocks, block_size, hd); query n
+    attends keys 0 .. lengths[n] - 1 of the blocks tables[table_of[n]]; out (Q, heads * hd).
+    A row's consecutive queries (several tokens fed) go in tiles of up to LANES query vectors,
+    which read each key once for the tile; a lone query (decode) goes on its own."""
+    queries, heads = q.shape[0], q.shape[1]
+    kv_heads = cache.shape[1]
+    per = LANES // (heads // kv_heads)  # a tile's most tokens
+    first = np.empty(queries, np.int64)
+    count = np.empty(queries, np.int64)
+    tiles, n = 0, 0
+    while n < queries:
+        run = 1
+        while n + run < queries and table_of[n + run] == table_of[n]:
+            run += 1
+        parts = (run + per - 1) // per if per > 1 else run
+        size = (run + parts - 1) // parts  # tiles of even size: more of them to share out
+        while run > 0:
+            first[tiles], count[tiles] = n, min(size, run)
+            n += count[tiles]
+            run -= count[tiles]
+            tiles += 1
+    lanes = cache.shape[3] == LANES and q.shape[2] % LANES == 0
+    for task in prange(tiles * kv_heads):
+        k, h = task // kv_heads, task % kv_heads
+        n0, table = first[k], tables[table_of[first[k]]]
+        if count[k] == 1 and lanes:
+            query_task_lanes(q, cache, table, lengths[n0], out, n0, h)
+        elif count[k] == 1:
+            query_task(q, cache, table, lengths[n0], out, n0, h)
+        else:
+            tile_task(q, cache, table, lengths, out, n0, count[k], h)
