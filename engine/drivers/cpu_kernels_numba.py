@@ -20,7 +20,6 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-
 ROWS_PER_TASK = 32  # weight rows per parallel task: enough work to hide the task's start-up
 # No nnan/ninf: the running maximum of the softmax starts at -inf.
 FASTMATH = {"nsz", "arcp", "contract", "afn", "reassoc"}
