@@ -266,19 +266,24 @@ def query_block(typingctx, q, cache, n, block, h, used, acc, top, den):
 
 @njit(nogil=True, fastmath=FASTMATH, cache=True, boundscheck=False, error_model=ERRORS)
 def query_task(q, cache, table, length, out, n, h):
-    """Query n's heads of kv head h against its row's keys 0 .. length - 1, one key at a time
-    for the group of query heads that share it."""
+    """Query n's heads of kv head h against its row's keys 0 .. length - 1. Blocks of LANES
+    keys with head sizes a multiple of LANES go a block at a time (query_block); others one
+    key at a time for the group of query heads that share it."""
     heads, hd = q.shape[1], q.shape[2]
     kv_heads, block_size = cache.shape[1], cache.shape[3]
     group = heads // kv_heads
+    lanes = block_size == LANES and hd % LANES == 0
     qg = q[n, h * group : (h + 1) * group]
     top = np.full(group, -np.inf, dtype=np.float32)  # running max of the scores
     den = np.zeros(group, dtype=np.float32)
     acc = np.zeros((group, hd), dtype=np.float32)
     p = np.empty((group, block_size), dtype=np.float32)
     for j in range((length + block_size - 1) // block_size):
-        keys, values = cache[0, h, table[j]], cache[1, h, table[j]]
         used = min(block_size, length - j * block_size)
+        if lanes:
+            query_block(q, cache, n, table[j], h, used, acc, top, den)
+            continue
+        keys, values = cache[0, h, table[j]], cache[1, h, table[j]]
         for t in range(used):  # each key is loaded once for the whole group
             for g in range(group):
                 s = np.float32(0)
@@ -303,24 +308,6 @@ def query_task(q, cache, table, length, out, n, h):
                 pt = p[g, t]
                 for e in range(hd):
                     acc[g, e] += pt * values[t, e]
-    for g in range(group):
-        inv = np.float32(1) / den[g]
-        base = (h * group + g) * hd
-        for e in range(hd):
-            out[n, base + e] = acc[g, e] * inv
-
-
-@njit(nogil=True, fastmath=FASTMATH, cache=True, boundscheck=False, error_model=ERRORS)
-def query_task_lanes(q, cache, table, length, out, n, h):
-    """query_task for blocks of LANES keys and head sizes a multiple of LANES: a block's
-    scores for a head are one vector (query_block)."""
-    heads, hd = q.shape[1], q.shape[2]
-    group = heads // cache.shape[1]
-    top = np.full(group, -np.inf, dtype=np.float32)
-    den = np.zeros(group, dtype=np.float32)
-    acc = np.zeros((group, hd), dtype=np.float32)
-    for j in range((length + LANES - 1) // LANES):
-        query_block(q, cache, n, table[j], h, min(LANES, length - j * LANES), acc, top, den)
     for g in range(group):
         inv = np.float32(1) / den[g]
         base = (h * group + g) * hd
@@ -384,13 +371,10 @@ def paged_attention(q, cache, tables, table_of, lengths, out):
             n += count[tiles]
             run -= count[tiles]
             tiles += 1
-    lanes = cache.shape[3] == LANES and q.shape[2] % LANES == 0
     for task in prange(tiles * kv_heads):
         k, h = task // kv_heads, task % kv_heads
         n0, table = first[k], tables[table_of[first[k]]]
-        if count[k] == 1 and lanes:
-            query_task_lanes(q, cache, table, lengths[n0], out, n0, h)
-        elif count[k] == 1:
+        if count[k] == 1:
             query_task(q, cache, table, lengths[n0], out, n0, h)
         else:
             tile_task(q, cache, table, lengths, out, n0, count[k], h)
