@@ -120,6 +120,13 @@ class BlockProduct:
             from .cpu_int8_kernels import pack_nibbles
 
             self.u4 = pack_nibbles(self.u)
+        # The integer path reads the scales as float16 where that holds them exactly: a
+        # 4-bit block is 20 bytes instead of 24 (the float paths keep float32).
+        self.scales = (self.d, self.m)
+        if "int8" in paths:
+            from .cpu_int8_kernels import half_scales
+
+            self.scales = half_scales(self.d, self.m) or self.scales
         float_paths = {"mkl", "openblas"} & set(paths)
         self.values = codes.values() if float_paths else None  # the codes' float32 values, unfolded
         self.packed = mkl_products.PackedWeight(self.values, right=head) if "mkl" in paths else None
@@ -130,6 +137,8 @@ class BlockProduct:
     @property
     def nbytes(self) -> int:
         total = self.d.nbytes + self.m.nbytes + self.colscale.nbytes
+        if self.scales[0] is not self.d:
+            total += self.scales[0].nbytes + self.scales[1].nbytes
         total += sum(c.nbytes for c in (self.u, self.u4) if c is not None)
         if self.values is not None and "openblas" in self.paths:
             total += self.values.nbytes
@@ -140,9 +149,11 @@ class BlockProduct:
     def bytes_read(self, tokens: int) -> int:
         """The weight bytes a product of `tokens` tokens reads on the path chosen for it."""
         path = self.path_for(tokens)
-        codes = self.u4 if path == "int8" and self.u4 is not None else self.u
-        if path in ("int8", "blocks"):
-            return codes.nbytes + self.d.nbytes + self.m.nbytes
+        if path == "int8":
+            codes = self.u4 if self.u4 is not None else self.u
+            return codes.nbytes + self.scales[0].nbytes + self.scales[1].nbytes
+        if path == "blocks":
+            return self.u.nbytes + self.d.nbytes + self.m.nbytes
         return 4 * self.shape[0] * self.shape[1]
 
     def work(self, tokens: int) -> int:
@@ -175,7 +186,7 @@ class BlockProduct:
                 out = np.empty((tokens, self.shape[0]) if self.head else (self.shape[0], tokens), np.float32)
             codes = self.u4 if self.u4 is not None else self.u
             x = np.ascontiguousarray(x, dtype=np.float32)
-            _int8_kernels.int8_product(codes, self.d, self.m, x, self.colscale, out, self.head, add)
+            _int8_kernels.int8_product(codes, *self.scales, x, self.colscale, out, self.head, add)
             return out
         q = Quantized(x, self.colscale)
         if path == "blocks":

@@ -50,6 +50,7 @@ _I32, _F32 = ir.IntType(32), ir.FloatType()
 _I8P = ir.IntType(8).as_pointer()
 _V32B = ir.VectorType(ir.IntType(8), 32)
 _V16I, _V16F, _V2F = ir.VectorType(_I32, 16), ir.VectorType(_F32, 16), ir.VectorType(_F32, 2)
+_V2H = ir.VectorType(ir.IntType(16), 2)
 
 
 def supported(features: str) -> bool:
@@ -57,6 +58,30 @@ def supported(features: str) -> bool:
     kernels need."""
     have = set(features.split(","))
     return all(f in have for f in FEATURES)
+
+
+def half_scales(d: np.ndarray, m: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """d and m as float16 bits (uint16), when float16 holds every one exactly (a GGUF's own
+    block scales are float16): a 4-bit block is then 20 bytes instead of 24. None otherwise."""
+    with np.errstate(over="ignore"):
+        d16, m16 = d.astype(np.float16), m.astype(np.float16)
+    if not (np.array_equal(d16.astype(np.float32), d) and np.array_equal(m16.astype(np.float32), m)):
+        return None
+    return np.ascontiguousarray(d16.view(np.uint16)), np.ascontiguousarray(m16.view(np.uint16))
+
+
+@intrinsic
+def as_float32(typingctx, x):
+    """A scale as float32: itself, or float16 bits (uint16) widened (numba has no float16)."""
+    if x == types.uint16:
+        def codegen(context, builder, signature, args):
+            return builder.fpext(builder.bitcast(args[0], ir.HalfType()), _F32)
+    elif x == types.float32:
+        def codegen(context, builder, signature, args):
+            return args[0]
+    else:
+        return None
+    return types.float32(x), codegen
 
 
 def _make_tile(rows: int, tokens: int, nibbles: bool):
@@ -85,7 +110,8 @@ def _make_tile(rows: int, tokens: int, nibbles: bool):
                 return builder.bitcast(builder.gep(data, [builder.mul(index, stride)]), vector.as_pointer())
 
             code_rows = [row(codes_s.data, at(k, r0), stride, _V32B if nibbles else _V16I) for k in range(rows)]
-            d_rows = [row(d_s.data, at(k, r0), blocks, _V2F) for k in range(rows)]
+            half = kinds[1].dtype == types.uint16  # the scales as float16 bits (half_scales)
+            d_rows = [row(d_s.data, at(k, r0), blocks, _V2H if half else _V2F) for k in range(rows)]
             qh_rows = [row(qh_s.data, at(k, t0), width, _V16I) for k in range(tokens)]
             ql_rows = [row(ql_s.data, at(k, t0), width, _V16I) for k in range(tokens)]
             dx_rows = [row(dx_s.data, at(k, t0), blocks, _V2F) for k in range(tokens)]
@@ -122,7 +148,9 @@ def _make_tile(rows: int, tokens: int, nibbles: bool):
                     builder.call(prefetch, [builder.gep(at_p, [ahead]), ir.Constant(_I32, 0), ir.Constant(_I32, 3),
                                             ir.Constant(_I32, 1)])
                 u = [codes_at(c, p) for c in code_rows]
-                ds = [builder.load(builder.gep(s, [p]), align=4) for s in d_rows]
+                ds = [builder.load(builder.gep(s, [p]), align=2 if half else 4) for s in d_rows]
+                if half:
+                    ds = [builder.fpext(builder.bitcast(s, ir.VectorType(ir.HalfType(), 2)), _V2F) for s in ds]
                 ds = [builder.shuffle_vector(s, s, spread) for s in ds]
                 for t in range(tokens):
                     high = builder.load(builder.gep(qh_rows[t], [p]), align=1)
@@ -224,7 +252,7 @@ def int8_matmul(codes, d, m, qh, ql, dx, c, out, token_major, add):
             for t in range(tokens):
                 s = np.float32(0)
                 for b in range(nb):
-                    s += m[r, b] * c[t, b]
+                    s += as_float32(m[r, b]) * c[t, b]
                 k = r * rs + t * ts
                 flat[k] = flat[k] + s if add else s
         r = r0

@@ -188,3 +188,29 @@ def test_four_bit_codes_are_read_two_a_byte_with_the_same_result():
     product.u4 = None
     assert np.array_equal(product.run("int8", x), packed)
     assert BlockProduct(_codes(rng, 3, 64, True), None, _paths()).u4 is None  # signed codes stay bytes
+
+
+@pytest.mark.parametrize("signed", [False, True], ids=["q4_1", "q8_0"])
+def test_scales_are_read_as_float16_only_where_it_holds_them_exactly(signed):
+    """A GGUF's block scales are float16: the integer path reads them so (fewer bytes a
+    block), bit for bit the float32 scales' result; scales float16 cannot hold stay float32."""
+    from poot.engine.drivers.cpu_block_products import BlockProduct
+
+    if not cpu_kernels.int8_supported():
+        pytest.skip("this CPU has no AVX-512 VNNI")
+    rng = np.random.default_rng(9)
+    codes = _codes(rng, 37, 192, signed)
+    product = BlockProduct(codes, None, _paths())
+    assert product.scales[0].dtype == np.uint16 and product.scales[1].dtype == np.uint16
+    assert product.bytes_read(1) < BlockProduct(codes, None, ("blocks",)).bytes_read(1)
+    x = rng.standard_normal((192, 6)).astype(np.float32)
+    half = product.run("int8", x)
+    product.scales = (product.d, product.m)
+    assert np.array_equal(product.run("int8", x), half)
+
+    codes.d[3, 1] = np.float32(0.1)  # not a float16 value
+    codes.d[5, 2] = np.float32(1e-9)  # below float16's smallest
+    inexact = BlockProduct(codes, None, _paths())
+    assert inexact.scales[0].dtype == np.float32 and inexact.scales[0] is inexact.d
+    want = _reference(codes, np.ones(192, np.float32), x)
+    np.testing.assert_allclose(inexact.run("int8", x), want, rtol=0, atol=1e-5 * np.abs(want).max())
