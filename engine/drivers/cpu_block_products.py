@@ -113,13 +113,13 @@ class BlockProduct:
         if "mkl" in paths and not mkl_products.available():
             paths = tuple(p for p in paths if p != "mkl")
         self.paths = paths
-        # The integer path reads 4-bit codes two a byte: a one-token product is bound by the
-        # bytes it reads (SmolLM2's 3072 x 576 matrices: 50 against 78 us a product).
-        self.u4 = None
-        if "int8" in paths and self.u.max(initial=0) <= 15:
-            from .cpu_int8_kernels import pack_nibbles
+        # The integer path reads the codes in its own order (4-bit codes two a byte: a one-token
+        # product is bound by the bytes it reads), its activations arranged to match.
+        self.kernel_codes = self.order = None
+        if "int8" in paths:
+            from .cpu_int8_kernels import arrange_codes
 
-            self.u4 = pack_nibbles(self.u)
+            self.kernel_codes, self.order = arrange_codes(self.u)
         # The integer path reads the scales as float16 where that holds them exactly: a
         # 4-bit block is 20 bytes instead of 24 (the float paths keep float32).
         self.scales = (self.d, self.m)
@@ -139,7 +139,7 @@ class BlockProduct:
         total = self.d.nbytes + self.m.nbytes + self.colscale.nbytes
         if self.scales[0] is not self.d:
             total += self.scales[0].nbytes + self.scales[1].nbytes
-        total += sum(c.nbytes for c in (self.u, self.u4) if c is not None)
+        total += sum(c.nbytes for c in (self.u, self.kernel_codes, self.order) if c is not None)
         if self.values is not None and "openblas" in self.paths:
             total += self.values.nbytes
         if self.packed is not None:
@@ -150,8 +150,7 @@ class BlockProduct:
         """The weight bytes a product of `tokens` tokens reads on the path chosen for it."""
         path = self.path_for(tokens)
         if path == "int8":
-            codes = self.u4 if self.u4 is not None else self.u
-            return codes.nbytes + self.scales[0].nbytes + self.scales[1].nbytes
+            return self.kernel_codes.nbytes + self.scales[0].nbytes + self.scales[1].nbytes
         if path == "blocks":
             return self.u.nbytes + self.d.nbytes + self.m.nbytes
         return 4 * self.shape[0] * self.shape[1]
@@ -171,8 +170,10 @@ class BlockProduct:
         self.paths = tuple(p for p in self.paths if p in paths)
         if "mkl" not in paths:
             self.packed = None
-        if "blocks" not in paths and self.u4 is not None:
-            self.u = None  # the integer path reads the packed copy
+        if "blocks" not in paths:
+            self.u = None  # the integer path reads its own arrangement
+        if "int8" not in paths:
+            self.kernel_codes = self.order = None
         if not {"openblas"} & paths:
             self.values = None
 
@@ -184,9 +185,9 @@ class BlockProduct:
         if path == "int8":
             if out is None:
                 out = np.empty((tokens, self.shape[0]) if self.head else (self.shape[0], tokens), np.float32)
-            codes = self.u4 if self.u4 is not None else self.u
             x = np.ascontiguousarray(x, dtype=np.float32)
-            _int8_kernels.int8_product(codes, *self.scales, x, self.colscale, out, self.head, add)
+            _int8_kernels.int8_product(self.kernel_codes, *self.scales, self.order, x, self.colscale, out, self.head,
+                                       add)
             return out
         q = Quantized(x, self.colscale)
         if path == "blocks":

@@ -1,24 +1,25 @@
 """Integer products on block codes (engine/models/block_codes.py): the activations quantized to
 16 bits per block of 32, each block's dot product computed exactly in int32 by AVX-512 VNNI's
-vpdpbusd (64 byte products an instruction), then scaled in float32:
+vpdpwssd (32 products of two 16-bit words an instruction), then scaled in float32:
 
     out[r, t] = sum_b dx[t, b] * (d[r, b] * (u[r, b] . v[t, b]) + m'[r, b] * sum(v[t, b]))
 
 u: the codes as unsigned bytes (a Q4_1 code as it is; a Q8_0 code plus 128, so m' = m - 128 d),
-v: round(x * colscale / dx) in -LEVELS..LEVELS, dx = max |x * colscale| / LEVELS per block,
-held as v = 256 qh + ql in two signed bytes, so u . v = 256 (u . qh) + (u . ql): two vpdpbusd.
-One byte (v in -127..127, as llama.cpp's Q8 activations) moved SmolLM2's logits by up to 7% of
-the largest and changed 19 of 64 greedy continuations (12 tokens each); 16 bits, 6e-4 and none.
+widened to words in registers; v: round(x * colscale / dx) in -LEVELS..LEVELS, dx = max |x *
+colscale| / LEVELS per block, one int16 each. One byte (v in -127..127, as llama.cpp's Q8
+activations) moved SmolLM2's logits by up to 7% of the largest and changed 19 of 64 greedy
+continuations (12 tokens each); 16 bits, 6e-4 and none.
 
 Why not numba alone: LLVM vectorizes a long int8 reduction into VNNI but left the per-block
 one (32 terms, then a float scale) scalar, at a quarter of the float kernel's speed. So the
 inner loop is written here as LLVM IR (`tile`): for a tile of rows by tokens it keeps one
-16-lane float accumulator per (row, token), and each step of the loop takes two blocks (64
-codes) of each row: per (row, token) the two vpdpbusd, their 16 int32 lanes combined,
-converted and multiplied by the two blocks' scales spread over 8 lanes each, so no horizontal
-sum happens until the end of the row. A (row, token)'s sum is computed in the same order
-whatever the tile or the token count, so a token's result does not depend on what else is in
-the step.
+16-lane float accumulator per (row, token). The codes and the activations are stored in the
+kernel's own order (`kernel_order`): for 4-bit codes, a run of GROUP blocks (512 codes) puts
+block x's words on lane x, so the run's eight chunks of 64 codes sum exactly into one int32
+vector, converted and scaled once (by the 16 blocks' scales, one a lane) where blocks taken in
+pairs needed that for every 64 codes: 1.3-1.6x the speed on 2-16 tokens. No horizontal sum
+happens until the end of the row. A (row, token)'s sum is computed in the same order whatever
+the tile or the token count, so a token's result does not depend on what else is in the step.
 
 Needs avx512bw and avx512vnni (`supported()`); the kernels are compiled only where it says so.
 """
@@ -34,23 +35,25 @@ from numba.extending import intrinsic
 from .cpu_kernels_numba import ERRORS, FASTMATH
 
 BLOCK = 32
+GROUP = 16  # 4-bit blocks whose exact sums share one int32 vector (one conversion, one scale)
 LEVELS = 127 * 256 + 127  # an activation's most magnitude: 256 qh + ql with qh, ql signed bytes
 ROWS_PER_TASK = 32
 SERIAL_QUANTIZE = 1 << 13  # activations up to this many are quantized on the calling thread
-# Tiles by token count, measured on SmolLM2's shapes (2-core Zen 4): below PAIR_TOKENS one
-# (row, token) at a time streams the codes fastest (4-row tiles ran at half the bandwidth);
-# from WIDE_TOKENS on, 4 x 4 tiles (16 accumulators, 4 rows' codes and a token's within the 32
-# vector registers) reach about 110 G multiply-adds/s, against 70 one at a time.
+# Tiles by token count, measured on SmolLM2's shapes (2-core Zen 4, products of 1-24 tokens
+# interleaved in one run): one (row, token) at a time for a lone token, 2 x 2 tiles for two or
+# three, 4 x 4 (16 sums, 4 rows' codes and a token's within the 32 vector registers) from four,
+# the tokens left over in pairs. 4 x 4 tiles reach 90-100 G multiply-adds/s on the two cores.
 PAIR, WIDE = 2, 4
-PAIR_TOKENS, WIDE_TOKENS = 4, 16
+PAIR_TOKENS, WIDE_TOKENS = 2, 4
 FEATURES = ("+avx512bw", "+avx512vnni")
+CHAINS = 4  # a dot product's latency over its throughput: a lone (row, token) splits its sum
 PREFETCH_ROWS = 16  # codes fetched this many rows ahead of the tile
 
 _I32, _F32 = ir.IntType(32), ir.FloatType()
 _I8P = ir.IntType(8).as_pointer()
 _V32B = ir.VectorType(ir.IntType(8), 32)
-_V16I, _V16F, _V2F = ir.VectorType(_I32, 16), ir.VectorType(_F32, 16), ir.VectorType(_F32, 2)
-_V2H = ir.VectorType(ir.IntType(16), 2)
+_V16I, _V16F = ir.VectorType(_I32, 16), ir.VectorType(_F32, 16)
+_V32W = ir.VectorType(ir.IntType(16), 32)
 
 
 def supported(features: str) -> bool:
@@ -86,83 +89,124 @@ def as_float32(typingctx, x):
 
 def _make_tile(rows: int, tokens: int, nibbles: bool):
     """An intrinsic adding the code part of a rows x tokens tile to out: for each (r, t) of the
-    tile, out[(r0 + r) * rs + (t0 + t) * ts] += sum over blocks of d * dx * (u . v).
-    `nibbles`: the codes are 4-bit, two a byte (pack_nibbles), unpacked in registers."""
+    tile, out[(r0 + r) * rs + (t0 + t) * ts] += sum over blocks of d * dx * (u . v), codes and
+    activations in kernel order (see `kernel_order`). `nibbles`: the codes are 4-bit, two a
+    byte (pack_nibbles), unpacked in registers."""
+    group = GROUP
+    chains = max(1, CHAINS // (rows * tokens))  # independent sums a tile keeps in flight
 
     @intrinsic
-    def tile(typingctx, codes, d, qh, ql, dx, out, r0, t0, rs, ts):
-        sig = types.void(codes, d, qh, ql, dx, out, types.intp, types.intp, types.intp, types.intp)
+    def tile(typingctx, codes, d, v, dx, out, r0, t0, rs, ts):
+        sig = types.void(codes, d, v, dx, out, types.intp, types.intp, types.intp, types.intp)
 
         def codegen(context, builder, signature, args):
             kinds = signature.args
-            r0, t0, rs, ts = args[6:]
-            arrays = [context.make_array(k)(context, builder, a) for k, a in zip(kinds[:6], args[:6], strict=True)]
-            codes_s, d_s, qh_s, ql_s, dx_s, out_s = arrays
-            width = builder.extract_value(qh_s.shape, 1)  # activations a token (codes a row)
+            r0, t0, rs, ts = args[5:]
+            codes_s, d_s, v_s, dx_s, out_s = (context.make_array(k)(context, builder, a)
+                                              for k, a in zip(kinds[:5], args[:5], strict=True))
+            width = builder.extract_value(v_s.shape, 1)  # activations a token (codes a row)
             stride = builder.extract_value(codes_s.shape, 1)  # bytes a row of codes
             blocks = builder.udiv(width, ir.Constant(width.type, BLOCK))
-            pairs = builder.udiv(blocks, ir.Constant(width.type, 2))
+            groups = builder.udiv(blocks, ir.Constant(width.type, group))
+            pairs = builder.udiv(builder.sub(blocks, builder.mul(groups, ir.Constant(width.type, group))),
+                                 ir.Constant(width.type, 2))
 
             def at(k: int, base):
                 return builder.add(base, ir.Constant(base.type, k))
 
-            def row(data, index, stride, vector):
-                return builder.bitcast(builder.gep(data, [builder.mul(index, stride)]), vector.as_pointer())
+            def row(data, index, stride, kind):
+                return builder.gep(builder.bitcast(data, kind.as_pointer()), [builder.mul(index, stride)])
 
-            code_rows = [row(codes_s.data, at(k, r0), stride, _V32B if nibbles else _V16I) for k in range(rows)]
+            code_rows = [row(codes_s.data, at(k, r0), stride, ir.IntType(8)) for k in range(rows)]
             half = kinds[1].dtype == types.uint16  # the scales as float16 bits (half_scales)
-            d_rows = [row(d_s.data, at(k, r0), blocks, _V2H if half else _V2F) for k in range(rows)]
-            qh_rows = [row(qh_s.data, at(k, t0), width, _V16I) for k in range(tokens)]
-            ql_rows = [row(ql_s.data, at(k, t0), width, _V16I) for k in range(tokens)]
-            dx_rows = [row(dx_s.data, at(k, t0), blocks, _V2F) for k in range(tokens)]
+            scale_kind = ir.HalfType() if half else _F32
+            d_rows = [row(d_s.data, at(k, r0), blocks, scale_kind) for k in range(rows)]
+            v_rows = [row(v_s.data, at(k, t0), width, ir.IntType(16)) for k in range(tokens)]
+            dx_rows = [row(dx_s.data, at(k, t0), blocks, _F32) for k in range(tokens)]
             module = builder.module
             dot = cgutils.get_or_insert_function(module, ir.FunctionType(_V16I, [_V16I] * 3),
-                                                 "llvm.x86.avx512.vpdpbusd.512")
+                                                 "llvm.x86.avx512.vpdpwssd.512")
             fma = cgutils.get_or_insert_function(module, ir.FunctionType(_V16F, [_V16F] * 3), "llvm.fma.v16f32")
             acc = [[cgutils.alloca_once_value(builder, ir.Constant(_V16F, None)) for _ in range(tokens)]
                    for _ in range(rows)]
-            spread = ir.Constant(ir.VectorType(_I32, 16), [0] * 8 + [1] * 8)  # block b's scale on lanes 0-7
             zero = ir.Constant(_V16I, None)
-            eight = ir.Constant(_V16I, [8] * 16)
             prefetch = cgutils.get_or_insert_function(
                 module, ir.FunctionType(ir.VoidType(), [_I8P, _I32, _I32, _I32]), "llvm.prefetch.p0")
             ahead = builder.mul(stride, ir.Constant(stride.type, PREFETCH_ROWS))  # bytes
             low_nibble = ir.Constant(_V32B, [15] * 32)
             four = ir.Constant(_V32B, [4] * 32)
-            both = ir.Constant(ir.VectorType(_I32, 64), list(range(64)))
+            chunk_bytes = ir.Constant(width.type, 32 if nibbles else 64)  # a chunk: 64 codes
 
-            def codes_at(c, p):
-                """The pair's 64 codes as 16 int32 lanes: a byte each, or unpacked from 32 bytes
-                whose low nibbles are the first block's codes and high nibbles the second's."""
-                v = builder.load(builder.gep(c, [p]), align=1)
-                if not nibbles:
-                    return v
-                first = builder.and_(v, low_nibble)
-                second = builder.lshr(v, four)
-                return builder.bitcast(builder.shuffle_vector(first, second, both), _V16I)
+            def words(b):
+                """32 codes as 16 int32 lanes of two 16-bit words (vpdpwssd's operand)."""
+                return builder.bitcast(builder.zext(b, _V32W), _V16I)
 
-            with cgutils.for_range(builder, pairs) as loop:
-                p = loop.index
-                for c in code_rows:  # the rows a few tiles on, at the same place
-                    at_p = builder.bitcast(builder.gep(c, [p]), _I8P)
-                    builder.call(prefetch, [builder.gep(at_p, [ahead]), ir.Constant(_I32, 0), ir.Constant(_I32, 3),
-                                            ir.Constant(_I32, 1)])
-                u = [codes_at(c, p) for c in code_rows]
-                ds = [builder.load(builder.gep(s, [p]), align=2 if half else 4) for s in d_rows]
-                if half:
-                    ds = [builder.fpext(builder.bitcast(s, ir.VectorType(ir.HalfType(), 2)), _V2F) for s in ds]
-                ds = [builder.shuffle_vector(s, s, spread) for s in ds]
-                for t in range(tokens):
-                    high = builder.load(builder.gep(qh_rows[t], [p]), align=1)
-                    low = builder.load(builder.gep(ql_rows[t], [p]), align=1)
-                    xs = builder.load(builder.gep(dx_rows[t], [p]), align=4)
-                    xs = builder.shuffle_vector(xs, xs, spread)
+            def codes_at(c, chunk):
+                """A chunk's 64 codes as two word vectors: codes 0-31 and 32-63 (a byte each, or
+                the low and high nibbles of 32 bytes)."""
+                at_c = builder.gep(c, [builder.mul(chunk, chunk_bytes)])
+                if nibbles:
+                    b = builder.load(builder.bitcast(at_c, _V32B.as_pointer()), align=1)
+                    return words(builder.and_(b, low_nibble)), words(builder.lshr(b, four))
+                first = builder.load(builder.bitcast(at_c, _V32B.as_pointer()), align=1)
+                second = builder.load(builder.bitcast(builder.gep(at_c, [ir.Constant(chunk.type, 32)]),
+                                                      _V32B.as_pointer()), align=1)
+                return words(first), words(second)
+
+            def activations_at(vr, chunk):
+                base = builder.gep(vr, [builder.mul(chunk, ir.Constant(chunk.type, 64))])
+                return [builder.load(builder.bitcast(builder.gep(base, [ir.Constant(chunk.type, k)]),
+                                                     _V16I.as_pointer()), align=2) for k in (0, 32)]
+
+            def scales_at(data, first, count, kind):
+                """count scales from block `first`, each spread over 16 / count lanes."""
+                vector = ir.VectorType(kind, count)
+                s = builder.load(builder.bitcast(builder.gep(data, [first]), vector.as_pointer()),
+                                 align=2 if kind is not _F32 else 4)
+                if kind is not _F32:
+                    s = builder.fpext(s, ir.VectorType(_F32, count))
+                if count == 16:
+                    return s
+                return builder.shuffle_vector(s, s, ir.Constant(ir.VectorType(_I32, 16),
+                                                                [lane * count // 16 for lane in range(16)]))
+
+            def span(count, first_block, first_chunk, size):
+                """`count` runs of `size` blocks from block first_block (chunk first_chunk): each
+                run's products summed exactly in int32, then scaled once."""
+                with cgutils.for_range(builder, count) as loop:
+                    k = loop.index
+                    chunk0 = builder.add(first_chunk, builder.mul(k, ir.Constant(k.type, size // 2)))
+                    block0 = builder.add(first_block, builder.mul(k, ir.Constant(k.type, size)))
+                    sums = [[[zero] * chains for _ in range(tokens)] for _ in range(rows)]
+                    for j in range(size // 2):
+                        chunk = at(j, chunk0)
+                        for c in code_rows:  # the rows a few tiles on, at the same place
+                            where = builder.gep(c, [builder.add(builder.mul(chunk, chunk_bytes), ahead)])
+                            builder.call(prefetch, [where, ir.Constant(_I32, 0), ir.Constant(_I32, 3),
+                                                    ir.Constant(_I32, 1)])
+                        u = [codes_at(c, chunk) for c in code_rows]
+                        for t in range(tokens):
+                            a = activations_at(v_rows[t], chunk)
+                            for r in range(rows):
+                                for half_ in range(2):
+                                    k = (2 * j + half_) % chains
+                                    sums[r][t][k] = builder.call(dot, [sums[r][t][k], u[r][half_], a[half_]])
+                    ds = [scales_at(s, block0, size, scale_kind) for s in d_rows]
+                    xs = [scales_at(s, block0, size, _F32) for s in dx_rows]
                     for r in range(rows):
-                        exact = builder.add(builder.shl(builder.call(dot, [zero, u[r], high]), eight),
-                                            builder.call(dot, [zero, u[r], low]))
-                        exact = builder.sitofp(exact, _V16F)
-                        scale = builder.fmul(ds[r], xs)
-                        builder.store(builder.call(fma, [exact, scale, builder.load(acc[r][t])]), acc[r][t])
+                        for t in range(tokens):
+                            scale = builder.fmul(ds[r], xs[t])
+                            exact = sums[r][t][0]
+                            for k in range(1, chains):
+                                exact = builder.add(exact, sums[r][t][k])
+                            total = builder.call(fma, [builder.sitofp(exact, _V16F), scale,
+                                                       builder.load(acc[r][t])])
+                            builder.store(total, acc[r][t])
+
+            origin = ir.Constant(width.type, 0)
+            span(groups, origin, origin, group)
+            tail = builder.mul(groups, ir.Constant(width.type, group))
+            span(pairs, tail, builder.udiv(tail, ir.Constant(width.type, 2)), 2)
             total = cgutils.get_or_insert_function(module, ir.FunctionType(_F32, [_F32, _V16F]),
                                                    "llvm.vector.reduce.fadd.v16f32")
             for r in range(rows):
@@ -186,11 +230,41 @@ tile_one_4 = _make_tile(1, 1, True)
 
 
 def pack_nibbles(u: np.ndarray) -> np.ndarray:
-    """Codes of 0..15 (o, i), two a byte (o, i / 2): in each pair of blocks (64 codes), byte j
-    holds code j in its low nibble and code 32 + j in its high one."""
+    """Codes of 0..15 (o, i), two a byte (o, i / 2): in each chunk of 64 codes, byte j holds
+    code j in its low nibble and code 32 + j in its high one."""
     o, i = u.shape
     pairs = u.reshape(o, i // 64, 2, 32)
     return np.ascontiguousarray(pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(o, i // 2)
+
+
+def kernel_order(width: int) -> np.ndarray:
+    """Where the kernel keeps each of a row's `width` features (codes and activations alike).
+    Chunks of 64 are two vectors of 32 words; vpdpwssd sums two words into each of 16 int32
+    lanes. A run of G blocks (GROUP; the blocks left after the last group go in runs of 2)
+    gives each block 16 / G lanes, so after the run's G / 2 chunks lane x holds the exact sum
+    of block x * G / 16 alone (at most 32 x 255 x LEVELS: no overflow), and one conversion and
+    one scale serve the run."""
+    blocks = width // BLOCK
+    order = np.empty(width, np.int64)
+    first = 0
+    for size, runs in ((GROUP, blocks // GROUP), (2, blocks % GROUP // 2)):
+        lanes = 16 // size  # a block's lanes
+        for _ in range(runs):
+            e = np.arange(size * BLOCK)
+            block, q = e // BLOCK, e % BLOCK
+            chunk, lane = q // (2 * lanes), block * lanes + q % (2 * lanes) // 2
+            order[first + e] = first + chunk * 32 + lane * 2 + q % 2
+            first += size * BLOCK
+    return order
+
+
+def arrange_codes(u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A matrix's unsigned codes (o, i) as the integer kernel reads them (codes of 0..15 two a
+    byte, others a byte each) and the order its activations take (kernel_order)."""
+    order = kernel_order(u.shape[1])
+    arranged = np.empty_like(u)
+    arranged[:, order] = u
+    return (pack_nibbles(arranged) if u.max(initial=0) <= 15 else arranged), order
 
 
 @njit(inline="always", fastmath=FASTMATH, boundscheck=False, error_model=ERRORS)
@@ -213,6 +287,36 @@ def _quantize_token(x, colscale, qh, ql, dx, c, t):
         c[t, b] = scale * np.float32(total)
 
 
+@njit(inline="always", fastmath=FASTMATH, boundscheck=False, error_model=ERRORS)
+def _quantize_words(x, colscale, order, v, dx, c, t):
+    """_quantize_token's v as one int16 each, in kernel order."""
+    for b in range(x.shape[0] // BLOCK):
+        lo = b * BLOCK
+        top = np.float32(0)
+        for j in range(BLOCK):
+            top = max(top, abs(x[lo + j, t] * colscale[lo + j]))
+        scale = top / np.float32(LEVELS)
+        inv = np.float32(LEVELS) / top if top > 0 else np.float32(0)
+        total = 0
+        for j in range(BLOCK):
+            q = np.int32(np.rint(x[lo + j, t] * colscale[lo + j] * inv))
+            v[t, order[lo + j]] = q
+            total += q
+        dx[t, b] = scale
+        c[t, b] = scale * np.float32(total)
+
+
+@njit(parallel=True, nogil=True, fastmath=FASTMATH, cache=True, boundscheck=False, error_model=ERRORS)
+def quantize_words(x, colscale, order, v, dx, c):
+    """x (i, T) -> v (T, i) int16 in kernel order, dx and c as quantize() gives them."""
+    if x.shape[1] * x.shape[0] <= SERIAL_QUANTIZE:  # waking the pool costs more
+        for t in range(x.shape[1]):
+            _quantize_words(x, colscale, order, v, dx, c, t)
+        return
+    for t in prange(x.shape[1]):
+        _quantize_words(x, colscale, order, v, dx, c, t)
+
+
 @njit(parallel=True, nogil=True, fastmath=FASTMATH, cache=True, boundscheck=False, error_model=ERRORS)
 def quantize(x, colscale, qh, ql, dx, c):
     """x (i, T) feature-major float32 -> v = round(x * colscale / dx) in -LEVELS..LEVELS per
@@ -233,16 +337,16 @@ def dequantize(qh, ql, dx, out):
 
 
 @njit(parallel=True, nogil=True, fastmath=FASTMATH, cache=True, boundscheck=False, error_model=ERRORS)
-def int8_matmul(codes, d, m, qh, ql, dx, c, out, token_major, add):
+def int8_matmul(codes, d, m, v, dx, c, out, token_major, add):
     """out = the product for every (row, token): (o, T), or (T, o) when token_major; added to
-    what out holds when `add`. codes: a byte a code (o, i), or two (o, i / 2, pack_nibbles).
-    Tasks of ROWS_PER_TASK rows; in each, the offset terms first, then the code terms tile by
-    tile."""
+    what out holds when `add`. codes (arrange_codes): a byte a code (o, i), or two (o, i / 2);
+    v (T, i) the activations in the same order. Tasks of ROWS_PER_TASK rows; in each, the
+    offset terms first, then the code terms tile by tile."""
     o = codes.shape[0]
-    i = qh.shape[1]
+    i = v.shape[1]
     nibbles = codes.shape[1] != i
     nb = i // BLOCK
-    tokens = qh.shape[0]
+    tokens = v.shape[0]
     rs, ts = (1, o) if token_major else (tokens, 1)
     side = WIDE if tokens >= WIDE_TOKENS else PAIR if tokens >= PAIR_TOKENS else 1
     flat = out.reshape(out.size)
@@ -256,58 +360,51 @@ def int8_matmul(codes, d, m, qh, ql, dx, c, out, token_major, add):
                 k = r * rs + t * ts
                 flat[k] = flat[k] + s if add else s
         r = r0
-        while r + side <= r1:  # side x side tiles; then the tokens left, one at a time
+        while r + side <= r1:  # side x side tiles; then the tokens left in pairs, then one at a time
             t = 0
             while t + side <= tokens and side > 1:
-                _tile(codes, d, qh, ql, dx, flat, r, t, rs, ts, side, nibbles)
+                _tile(codes, d, v, dx, flat, r, t, rs, ts, side, nibbles)
                 t += side
+            while t + PAIR <= tokens and side > PAIR:
+                for rr in range(r, r + side, PAIR):
+                    _tile(codes, d, v, dx, flat, rr, t, rs, ts, PAIR, nibbles)
+                t += PAIR
             for rr in range(r, r + side):
                 for tt in range(t, tokens):
-                    _tile(codes, d, qh, ql, dx, flat, rr, tt, rs, ts, 1, nibbles)
+                    _tile(codes, d, v, dx, flat, rr, tt, rs, ts, 1, nibbles)
             r += side
         for rr in range(r, r1):  # the rows left
             for t in range(tokens):
-                _tile(codes, d, qh, ql, dx, flat, rr, t, rs, ts, 1, nibbles)
+                _tile(codes, d, v, dx, flat, rr, t, rs, ts, 1, nibbles)
 
 
 @njit(inline="always", fastmath=FASTMATH, boundscheck=False, error_model=ERRORS)
-def _tile(codes, d, qh, ql, dx, flat, r, t, rs, ts, side, nibbles):
+def _tile(codes, d, v, dx, flat, r, t, rs, ts, side, nibbles):
     if nibbles:
         if side == WIDE:
-            tile_wide_4(codes, d, qh, ql, dx, flat, r, t, rs, ts)
+            tile_wide_4(codes, d, v, dx, flat, r, t, rs, ts)
         elif side == PAIR:
-            tile_pair_4(codes, d, qh, ql, dx, flat, r, t, rs, ts)
+            tile_pair_4(codes, d, v, dx, flat, r, t, rs, ts)
         else:
-            tile_one_4(codes, d, qh, ql, dx, flat, r, t, rs, ts)
+            tile_one_4(codes, d, v, dx, flat, r, t, rs, ts)
     elif side == WIDE:
-        tile_wide(codes, d, qh, ql, dx, flat, r, t, rs, ts)
+        tile_wide(codes, d, v, dx, flat, r, t, rs, ts)
     elif side == PAIR:
-        tile_pair(codes, d, qh, ql, dx, flat, r, t, rs, ts)
+        tile_pair(codes, d, v, dx, flat, r, t, rs, ts)
     else:
-        tile_one(codes, d, qh, ql, dx, flat, r, t, rs, ts)
+        tile_one(codes, d, v, dx, flat, r, t, rs, ts)
 
 
 @njit(nogil=True, fastmath=FASTMATH, cache=True, boundscheck=False, error_model=ERRORS)
-def quantize_serial(x, colscale, qh, ql, dx, c):
-    """quantize() on the calling thread: for a few tokens, waking the pool costs more."""
-    for t in range(x.shape[1]):
-        _quantize_token(x, colscale, qh, ql, dx, c, t)
-
-
-@njit(nogil=True, fastmath=FASTMATH, cache=True, boundscheck=False, error_model=ERRORS)
-def int8_product(codes, d, m, x, colscale, out, token_major, add):
-    """quantize() then int8_matmul() in one call (a step makes some 150 products; each call
-    from Python costs microseconds)."""
+def int8_product(codes, d, m, order, x, colscale, out, token_major, add):
+    """quantize_words() then int8_matmul() in one call (a step makes some 150 products; each
+    call from Python costs microseconds). order: the codes' kernel_order."""
     i, tokens = x.shape
-    qh = np.empty((tokens, i), np.int8)
-    ql = np.empty((tokens, i), np.int8)
+    v = np.empty((tokens, i), np.int16)
     dx = np.empty((tokens, i // BLOCK), np.float32)
     c = np.empty((tokens, i // BLOCK), np.float32)
-    if tokens * i <= SERIAL_QUANTIZE:
-        quantize_serial(x, colscale, qh, ql, dx, c)
-    else:
-        quantize(x, colscale, qh, ql, dx, c)
-    int8_matmul(codes, d, m, qh, ql, dx, c, out, token_major, add)
+    quantize_words(x, colscale, order, v, dx, c)
+    int8_matmul(codes, d, m, v, dx, c, out, token_major, add)
 
 
-KERNELS = (quantize, dequantize, int8_matmul, quantize_serial, int8_product)
+KERNELS = (quantize, dequantize, quantize_words, int8_matmul, int8_product)

@@ -55,6 +55,20 @@ def _reference(codes, colscale, x):
     return codes.values().astype(np.float64) @ Quantized(x, colscale).values().astype(np.float64)
 
 
+def _term_sizes(product, x):
+    """Per (row, token), the sum of the magnitudes of the terms the integer kernel adds:
+    d |u . v| dx and |m' c| per block (as the product's result, token-major for the head)."""
+    from poot.engine.drivers.cpu_block_products import Quantized
+
+    q = Quantized(x, product.colscale)
+    tokens, i = q.qh.shape
+    v = (q.qh.astype(np.int64) * 256 + q.ql).reshape(tokens, i // BLOCK, BLOCK)
+    u = product.u.astype(np.int64).reshape(product.shape[0], i // BLOCK, BLOCK)
+    exact = np.abs(np.einsum("rbk,tbk->rtb", u, v)).astype(np.float64)
+    sizes = (exact * product.d[:, None, :] * q.dx[None]).sum(-1) + np.abs(product.m) @ np.abs(q.c).T
+    return sizes.T if product.head else sizes
+
+
 @pytest.mark.parametrize("signed", [False, True], ids=["q4_1", "q8_0"])
 @pytest.mark.parametrize("head", [False, True], ids=["matrix", "head"])
 @pytest.mark.parametrize("tokens", [1, 2, 3, 5, 16, 17, 37])
@@ -90,8 +104,8 @@ def test_a_tokens_result_does_not_depend_on_the_rest_of_the_step():
     if not cpu_kernels.int8_supported():
         pytest.skip("this CPU has no AVX-512 VNNI")
     rng = np.random.default_rng(5)
-    product = BlockProduct(_codes(rng, 67, 256, False), None, _paths())
-    x = rng.standard_normal((256, 37)).astype(np.float32)
+    product = BlockProduct(_codes(rng, 67, 576, False), None, _paths())  # a group of 16 blocks and a pair
+    x = rng.standard_normal((576, 37)).astype(np.float32)
     together = product.run("int8", x)
     for t in (0, 5, 36):
         assert np.array_equal(product.run("int8", x[:, t : t + 1])[:, 0], together[:, t])
@@ -99,10 +113,11 @@ def test_a_tokens_result_does_not_depend_on_the_rest_of_the_step():
 
 
 @settings(max_examples=60, deadline=None)
-@given(rows=st.integers(1, 13), pairs=st.integers(1, 4), tokens=st.integers(1, 20), signed=st.booleans(),
+@given(rows=st.integers(1, 13), pairs=st.integers(1, 20), tokens=st.integers(1, 20), signed=st.booleans(),
        head=st.booleans(), add=st.booleans(), seed=st.integers(0, 2**16))
 def test_the_integer_kernel_covers_every_tile_edge(rows, pairs, tokens, signed, head, add, seed):
-    """Row and token counts on either side of every tile size (1, 2 and 4 rows by tokens)."""
+    """Row and token counts on either side of every tile size (1, 2 and 4 rows by tokens), and
+    widths with and without whole groups of 16 blocks and pairs left after them."""
     from poot.engine.drivers.cpu_block_products import BlockProduct
 
     if not cpu_kernels.int8_supported():
@@ -116,7 +131,10 @@ def test_the_integer_kernel_covers_every_tile_edge(rows, pairs, tokens, signed, 
     want = want.T if head else want
     out = np.full(want.shape, 1.5, np.float32) if add else None
     got = product.run("int8", x, out=out)
-    np.testing.assert_allclose(got, want + (1.5 if add else 0), rtol=0, atol=1e-5 * max(1.0, np.abs(want).max()))
+    # float32's error grows with the terms the kernel sums, not with their (possibly cancelling)
+    # total: a signed code is summed as code + 128 with -128 d taken back in the offset term.
+    terms = _term_sizes(product, x)
+    np.testing.assert_allclose(got, want + (1.5 if add else 0), rtol=0, atol=1e-6 * max(1.0, terms.max()))
 
 
 @settings(max_examples=80, deadline=None)
@@ -170,24 +188,52 @@ def test_paths_a_matrix_cannot_take_are_not_offered():
                                                                np.ones(96, np.float32), x), rtol=1e-5, atol=1e-5)
 
 
-def test_four_bit_codes_are_read_two_a_byte_with_the_same_result():
+def test_four_bit_codes_are_read_two_a_byte_in_the_kernels_order():
+    """Runs of 16 blocks, block x's codes on lane x (two 16-bit words a lane in each chunk of 32
+    words), the blocks left over in pairs (8 lanes a block); 4-bit codes two a byte."""
     from poot.engine.drivers.cpu_block_products import BlockProduct
-    from poot.engine.drivers.cpu_int8_kernels import pack_nibbles
+    from poot.engine.drivers.cpu_int8_kernels import GROUP, kernel_order, pack_nibbles
 
     if not cpu_kernels.int8_supported():
         pytest.skip("this CPU has no AVX-512 VNNI")
     rng = np.random.default_rng(8)
-    product = BlockProduct(_codes(rng, 19, 128, False), None, _paths())
-    assert product.u4 is not None and product.u4.shape == (19, 64)
-    # Byte j of a 64-code pair: code j low, code 32 + j high.
-    assert np.array_equal(product.u4[:, :32] & 15, product.u[:, :32])
-    assert np.array_equal(product.u4[:, :32] >> 4, product.u[:, 32:64])
-    assert np.array_equal(pack_nibbles(product.u), product.u4)
-    x = rng.standard_normal((128, 5)).astype(np.float32)
-    packed = product.run("int8", x)
-    product.u4 = None
-    assert np.array_equal(product.run("int8", x), packed)
-    assert BlockProduct(_codes(rng, 3, 64, True), None, _paths()).u4 is None  # signed codes stay bytes
+    width = 576  # SmolLM2's: one run of 16 blocks, then a pair
+    product = BlockProduct(_codes(rng, 19, width, False), None, _paths())
+    order = kernel_order(width)
+    assert np.array_equal(np.sort(order), np.arange(width)) and np.array_equal(product.order, order)
+    e = np.arange(width)
+    lane = order % 32 // 2
+    in_group = e < GROUP * BLOCK
+    assert np.array_equal(lane[in_group], e[in_group] // BLOCK)  # a block a lane
+    assert np.array_equal(lane[~in_group] // 8, (e[~in_group] - GROUP * BLOCK) // BLOCK)  # 8 lanes a block
+    arranged = np.empty_like(product.u)
+    arranged[:, order] = product.u
+    assert product.kernel_codes.shape == (19, width // 2)
+    assert np.array_equal(product.kernel_codes, pack_nibbles(arranged))
+    # Byte j of a chunk of 64 codes: code j low, code 32 + j high.
+    assert np.array_equal(product.kernel_codes[:, :32] & 15, arranged[:, :32])
+    assert np.array_equal(product.kernel_codes[:, :32] >> 4, arranged[:, 32:64])
+    signed = BlockProduct(_codes(rng, 3, width, True), None, _paths())  # a byte a code, the same order
+    assert signed.kernel_codes.shape == (3, width) and np.array_equal(signed.order, order)
+
+
+@pytest.mark.parametrize("signed", [False, True], ids=["q4_1", "q8_0"])
+def test_the_largest_codes_and_activations_sum_without_overflow(signed):
+    """Every code at its largest (15, or 255 once shifted) against every activation at LEVELS:
+    the exact int32 sums must not wrap (a lane holds one block's; 16 blocks of 255s would)."""
+    from poot.engine.drivers.cpu_block_products import BlockProduct
+
+    if not cpu_kernels.int8_supported():
+        pytest.skip("this CPU has no AVX-512 VNNI")
+    width = 2048
+    codes = _codes(np.random.default_rng(3), 4, width, signed)
+    codes.codes[...] = 127 if signed else 15
+    codes.d[...] = 1.0
+    codes.m[...] = 0.0
+    product = BlockProduct(codes, None, _paths())
+    x = np.ones((width, 3), np.float32)
+    want = _reference(codes, np.ones(width, np.float32), x)
+    np.testing.assert_allclose(product.run("int8", x), want, rtol=1e-5)
 
 
 @pytest.mark.parametrize("signed", [False, True], ids=["q4_1", "q8_0"])
