@@ -42,6 +42,7 @@ from numba.extending import intrinsic
 from .cpu_kernels_numba import ERRORS, FASTMATH, exp
 
 LANES = 16
+FIXED_HEAD = 64  # the head size query_block has compiled with constant offsets (SmolLM2's, Llama-class 64)
 WAYS = 4  # keys (then features) a loop step: independent FMA chains hide the FMA's latency
 
 _F32, _I32 = ir.FloatType(), ir.IntType(32)
@@ -175,7 +176,7 @@ def _prefetch(builder, base, offsets, count):
         start = builder.gep(base, [offset])
         with cgutils.for_range_slice(builder, ir.Constant(count.type, 0), count, line) as (i, _):
             at = builder.bitcast(builder.gep(start, [i]), ir.IntType(8).as_pointer())
-            builder.call(fetch, [at, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+            builder.call(fetch, [at, ir.Constant(_I32, 0), ir.Constant(_I32, 2), ir.Constant(_I32, 1)])  # to L2
 
 
 def _lanes_sum(builder, vectors):
@@ -226,7 +227,6 @@ def query_block(typingctx, q, cache, n, block, ahead, h, used, acc, top, den):
         heads, hd = builder.extract_value(q_a.shape, 1), builder.extract_value(q_a.shape, 2)
         kv_heads, blocks = builder.extract_value(cache_a.shape, 1), builder.extract_value(cache_a.shape, 2)
         group = builder.sdiv(heads, kv_heads)
-        chunks = builder.sdiv(hd, ir.Constant(hd.type, LANES))
         span = builder.mul(ir.Constant(hd.type, LANES), hd)
         keys = builder.gep(cache_a.data, [builder.mul(builder.add(builder.mul(h, blocks), block), span)])
         values = builder.gep(cache_a.data, [builder.mul(builder.add(builder.mul(builder.add(kv_heads, h), blocks),
@@ -234,55 +234,92 @@ def query_block(typingctx, q, cache, n, block, ahead, h, used, acc, top, den):
         _prefetch(builder, cache_a.data, [builder.mul(builder.add(builder.mul(h, blocks), ahead), span),
                                           builder.mul(builder.add(builder.mul(builder.add(kv_heads, h), blocks), ahead), span)],
                   span)
-        last = builder.sub(used, ir.Constant(used.type, 1))
-        starts = []  # key t's offset in its block, clamped to the last used key
-        for t in range(LANES):
-            tt = ir.Constant(used.type, t)
-            starts.append(builder.mul(builder.select(builder.icmp_signed("<", tt, used), tt, last), hd))
-        rows = [builder.gep(keys, [k]) for k in starts]
-        vrows = [builder.gep(values, [k]) for k in starts]
-        seen = builder.icmp_signed("<", ir.Constant(_VI, list(range(LANES))),
-                                   _splat(builder, builder.trunc(used, _I32), _VI))
         as_vector = _VF.as_pointer()
         weights_at = cgutils.alloca_once(builder, _VF)
         weight = builder.bitcast(weights_at, _F32.as_pointer())
-        with cgutils.for_range(builder, group) as g_loop:
-            g = g_loop.index
-            head = builder.add(builder.mul(h, group), g)
-            qrow = builder.gep(q_a.data, [builder.mul(builder.add(builder.mul(n, heads), head), hd)])
-            partial = [cgutils.alloca_once_value(builder, _const(0.0)) for _ in range(LANES)]
-            with cgutils.for_range(builder, chunks) as c_loop:
-                off = builder.mul(c_loop.index, ir.Constant(hd.type, LANES))
-                qv = builder.load(builder.bitcast(builder.gep(qrow, [off]), as_vector), align=4)
-                for t in range(LANES):
-                    kv = builder.load(builder.bitcast(builder.gep(rows[t], [off]), as_vector), align=4)
-                    builder.store(builder.call(fma, [qv, kv, builder.load(partial[t])]), partial[t])
-            scores = builder.select(seen, _lanes_sum(builder, [builder.load(p) for p in partial]), _const(float("-inf")))
-            top_at = builder.gep(top_a.data, [g])
-            old = builder.load(top_at)
-            big = builder.call(vmax, [scores])
-            new = builder.select(builder.fcmp_ordered(">", big, old), big, old)
-            builder.store(new, top_at)
-            rescale = _exp(builder, module, _splat(builder, builder.fsub(old, new), _VF))
-            p = builder.select(seen, _exp(builder, module, builder.fsub(scores, _splat(builder, new, _VF))), _const(0.0))
-            den_at = builder.gep(den_a.data, [g])
-            total = _sum(builder, p)
-            scale = builder.extract_element(rescale, ir.Constant(_I32, 0))
-            builder.store(builder.fadd(builder.fmul(builder.load(den_at), scale), total), den_at)
-            # The weights go through memory: a broadcast from memory folds into the FMA, where
-            # a lane extracted from a register costs three instructions.
-            builder.store(p, weights_at, align=4)
-            weights = [_splat(builder, builder.load(builder.gep(weight, [ir.Constant(_I32, t)])), _VF)
-                       for t in range(LANES)]
-            arow = builder.gep(acc_a.data, [builder.mul(g, hd)])
-            with cgutils.for_range(builder, chunks) as c_loop:
-                off = builder.mul(c_loop.index, ir.Constant(hd.type, LANES))
-                at = builder.bitcast(builder.gep(arow, [off]), as_vector)
-                sums = [builder.fmul(builder.load(at, align=4), rescale)] + [_const(0.0)] * 3
-                for t in range(LANES):  # four chains, for the FMA's latency
-                    vv = builder.load(builder.bitcast(builder.gep(vrows[t], [off]), as_vector), align=4)
-                    sums[t % 4] = builder.call(fma, [weights[t], vv, sums[t % 4]])
-                builder.store(builder.fadd(builder.fadd(sums[0], sums[1]), builder.fadd(sums[2], sums[3])), at, align=4)
+        partial = [cgutils.alloca_once(builder, _VF) for _ in range(LANES)]
+        intp = hd.type
+
+        def emit(fixed):
+            """The block's code: for a whole block of head size `fixed`, every key's offset a
+            constant (no address arithmetic or register spills in the inner loops; 3x faster
+            on SmolLM2's head size 64); for fixed=None, any head size and a partial block."""
+            size = ir.Constant(intp, fixed) if fixed else hd
+
+            def each_chunk(step):
+                if fixed:
+                    for c in range(fixed // LANES):
+                        step(ir.Constant(intp, c * LANES))
+                    return
+                with cgutils.for_range(builder, builder.sdiv(hd, ir.Constant(intp, LANES))) as c_loop:
+                    step(builder.mul(c_loop.index, ir.Constant(intp, LANES)))
+
+            if fixed:
+                starts = [ir.Constant(intp, t * fixed) for t in range(LANES)]
+                seen = None
+            else:  # key t's offset in its block, clamped to the last used key
+                last = builder.sub(used, ir.Constant(used.type, 1))
+                starts = [builder.mul(builder.select(builder.icmp_signed("<", ir.Constant(intp, t), used),
+                                                     ir.Constant(intp, t), last), hd) for t in range(LANES)]
+                seen = builder.icmp_signed("<", ir.Constant(_VI, list(range(LANES))),
+                                           _splat(builder, builder.trunc(used, _I32), _VI))
+            rows = [builder.gep(keys, [k]) for k in starts]
+            vrows = [builder.gep(values, [k]) for k in starts]
+            with cgutils.for_range(builder, group) as g_loop:
+                g = g_loop.index
+                head = builder.add(builder.mul(h, group), g)
+                qrow = builder.gep(q_a.data, [builder.mul(builder.add(builder.mul(n, heads), head), size)])
+                for p in partial:
+                    builder.store(_const(0.0), p)
+
+                def scores_step(off):
+                    qv = builder.load(builder.bitcast(builder.gep(qrow, [off]), as_vector), align=4)
+                    for t in range(LANES):
+                        kv = builder.load(builder.bitcast(builder.gep(rows[t], [off]), as_vector), align=4)
+                        builder.store(builder.call(fma, [qv, kv, builder.load(partial[t])]), partial[t])
+
+                each_chunk(scores_step)
+                scores = _lanes_sum(builder, [builder.load(p) for p in partial])
+                if seen is not None:
+                    scores = builder.select(seen, scores, _const(float("-inf")))
+                top_at = builder.gep(top_a.data, [g])
+                old = builder.load(top_at)
+                big = builder.call(vmax, [scores])
+                new = builder.select(builder.fcmp_ordered(">", big, old), big, old)
+                builder.store(new, top_at)
+                rescale = _exp(builder, module, _splat(builder, builder.fsub(old, new), _VF))
+                p = _exp(builder, module, builder.fsub(scores, _splat(builder, new, _VF)))
+                if seen is not None:
+                    p = builder.select(seen, p, _const(0.0))
+                den_at = builder.gep(den_a.data, [g])
+                total = _sum(builder, p)
+                scale = builder.extract_element(rescale, ir.Constant(_I32, 0))
+                builder.store(builder.fadd(builder.fmul(builder.load(den_at), scale), total), den_at)
+                # The weights go through memory: a broadcast from memory folds into the FMA, where
+                # a lane extracted from a register costs three instructions.
+                builder.store(p, weights_at, align=4)
+                weights = [_splat(builder, builder.load(builder.gep(weight, [ir.Constant(_I32, t)])), _VF)
+                           for t in range(LANES)]
+                arow = builder.gep(acc_a.data, [builder.mul(g, size)])
+
+                def values_step(off):
+                    at = builder.bitcast(builder.gep(arow, [off]), as_vector)
+                    sums = [builder.fmul(builder.load(at, align=4), rescale)] + [_const(0.0)] * 3
+                    for t in range(LANES):  # four chains, for the FMA's latency
+                        vv = builder.load(builder.bitcast(builder.gep(vrows[t], [off]), as_vector), align=4)
+                        sums[t % 4] = builder.call(fma, [weights[t], vv, sums[t % 4]])
+                    builder.store(builder.fadd(builder.fadd(sums[0], sums[1]), builder.fadd(sums[2], sums[3])), at,
+                                  align=4)
+
+                each_chunk(values_step)
+
+        whole = builder.and_(builder.icmp_signed("==", used, ir.Constant(used.type, LANES)),
+                             builder.icmp_signed("==", hd, ir.Constant(intp, FIXED_HEAD)))
+        with builder.if_else(whole) as (fixed, other):
+            with fixed:
+                emit(FIXED_HEAD)
+            with other:
+                emit(None)
         return context.get_dummy_value()
 
     return sig, codegen
