@@ -73,37 +73,23 @@ def half_scales(d: np.ndarray, m: np.ndarray) -> tuple[np.ndarray, np.ndarray] |
     return np.ascontiguousarray(d16.view(np.uint16)), np.ascontiguousarray(m16.view(np.uint16))
 
 
-@intrinsic
-def as_float32(typingctx, x):
-    """A scale as float32: itself, or float16 bits (uint16) widened (numba has no float16)."""
-    if x == types.uint16:
-        def codegen(context, builder, signature, args):
-            return builder.fpext(builder.bitcast(args[0], ir.HalfType()), _F32)
-    elif x == types.float32:
-        def codegen(context, builder, signature, args):
-            return args[0]
-    else:
-        return None
-    return types.float32(x), codegen
-
-
 def _make_tile(rows: int, tokens: int, nibbles: bool):
-    """An intrinsic adding the code part of a rows x tokens tile to out: for each (r, t) of the
-    tile, out[(r0 + r) * rs + (t0 + t) * ts] += sum over blocks of d * dx * (u . v), codes and
+    """An intrinsic adding a rows x tokens tile's products to out: for each (r, t) of the tile,
+    out[(r0 + r) * rs + (t0 + t) * ts] += sum over blocks of d dx (u . v) + m' c, codes and
     activations in kernel order (see `kernel_order`). `nibbles`: the codes are 4-bit, two a
     byte (pack_nibbles), unpacked in registers."""
     group = GROUP
     chains = max(1, CHAINS // (rows * tokens))  # independent sums a tile keeps in flight
 
     @intrinsic
-    def tile(typingctx, codes, d, v, dx, out, r0, t0, rs, ts):
-        sig = types.void(codes, d, v, dx, out, types.intp, types.intp, types.intp, types.intp)
+    def tile(typingctx, codes, d, m, v, dx, c, out, r0, t0, rs, ts):
+        sig = types.void(codes, d, m, v, dx, c, out, types.intp, types.intp, types.intp, types.intp)
 
         def codegen(context, builder, signature, args):
             kinds = signature.args
-            r0, t0, rs, ts = args[5:]
-            codes_s, d_s, v_s, dx_s, out_s = (context.make_array(k)(context, builder, a)
-                                              for k, a in zip(kinds[:5], args[:5], strict=True))
+            r0, t0, rs, ts = args[7:]
+            codes_s, d_s, m_s, v_s, dx_s, c_s, out_s = (context.make_array(k)(context, builder, a)
+                                                        for k, a in zip(kinds[:7], args[:7], strict=True))
             width = builder.extract_value(v_s.shape, 1)  # activations a token (codes a row)
             stride = builder.extract_value(codes_s.shape, 1)  # bytes a row of codes
             blocks = builder.udiv(width, ir.Constant(width.type, BLOCK))
@@ -121,8 +107,10 @@ def _make_tile(rows: int, tokens: int, nibbles: bool):
             half = kinds[1].dtype == types.uint16  # the scales as float16 bits (half_scales)
             scale_kind = ir.HalfType() if half else _F32
             d_rows = [row(d_s.data, at(k, r0), blocks, scale_kind) for k in range(rows)]
+            m_rows = [row(m_s.data, at(k, r0), blocks, scale_kind) for k in range(rows)]
             v_rows = [row(v_s.data, at(k, t0), width, ir.IntType(16)) for k in range(tokens)]
             dx_rows = [row(dx_s.data, at(k, t0), blocks, _F32) for k in range(tokens)]
+            c_rows = [row(c_s.data, at(k, t0), blocks, _F32) for k in range(tokens)]
             module = builder.module
             dot = cgutils.get_or_insert_function(module, ir.FunctionType(_V16I, [_V16I] * 3),
                                                  "llvm.x86.avx512.vpdpwssd.512")
@@ -158,8 +146,9 @@ def _make_tile(rows: int, tokens: int, nibbles: bool):
                 return [builder.load(builder.bitcast(builder.gep(base, [ir.Constant(chunk.type, k)]),
                                                      _V16I.as_pointer()), align=2) for k in (0, 32)]
 
-            def scales_at(data, first, count, kind):
-                """count scales from block `first`, each spread over 16 / count lanes."""
+            def scales_at(data, first, count, kind, lone=False):
+                """count scales from block `first`, each spread over 16 / count lanes (`lone`:
+                on the first of them only, the others 0)."""
                 vector = ir.VectorType(kind, count)
                 s = builder.load(builder.bitcast(builder.gep(data, [first]), vector.as_pointer()),
                                  align=2 if kind is not _F32 else 4)
@@ -167,8 +156,9 @@ def _make_tile(rows: int, tokens: int, nibbles: bool):
                     s = builder.fpext(s, ir.VectorType(_F32, count))
                 if count == 16:
                     return s
-                return builder.shuffle_vector(s, s, ir.Constant(ir.VectorType(_I32, 16),
-                                                                [lane * count // 16 for lane in range(16)]))
+                lanes = 16 // count
+                picks = [lane // lanes if not lone or lane % lanes == 0 else count for lane in range(16)]
+                return builder.shuffle_vector(s, ir.Constant(s.type, None), ir.Constant(ir.VectorType(_I32, 16), picks))
 
             def span(count, first_block, first_chunk, size):
                 """`count` runs of `size` blocks from block first_block (chunk first_chunk): each
@@ -189,19 +179,22 @@ def _make_tile(rows: int, tokens: int, nibbles: bool):
                             a = activations_at(v_rows[t], chunk)
                             for r in range(rows):
                                 for half_ in range(2):
-                                    k = (2 * j + half_) % chains
-                                    sums[r][t][k] = builder.call(dot, [sums[r][t][k], u[r][half_], a[half_]])
+                                    chain = (2 * j + half_) % chains
+                                    sums[r][t][chain] = builder.call(dot, [sums[r][t][chain], u[r][half_], a[half_]])
                     ds = [scales_at(s, block0, size, scale_kind) for s in d_rows]
                     xs = [scales_at(s, block0, size, _F32) for s in dx_rows]
+                    # The offsets' term m' * c, a block a lane (one lane of a block spread over several).
+                    ms = [scales_at(s, block0, size, scale_kind, lone=True) for s in m_rows]
+                    cs = [scales_at(s, block0, size, _F32, lone=True) for s in c_rows]
                     for r in range(rows):
                         for t in range(tokens):
                             scale = builder.fmul(ds[r], xs[t])
                             exact = sums[r][t][0]
-                            for k in range(1, chains):
-                                exact = builder.add(exact, sums[r][t][k])
+                            for chain in range(1, chains):
+                                exact = builder.add(exact, sums[r][t][chain])
                             total = builder.call(fma, [builder.sitofp(exact, _V16F), scale,
                                                        builder.load(acc[r][t])])
-                            builder.store(total, acc[r][t])
+                            builder.store(builder.call(fma, [ms[r], cs[t], total]), acc[r][t])
 
             origin = ir.Constant(width.type, 0)
             span(groups, origin, origin, group)
@@ -341,58 +334,54 @@ def int8_matmul(codes, d, m, v, dx, c, out, token_major, add):
     """out = the product for every (row, token): (o, T), or (T, o) when token_major; added to
     what out holds when `add`. codes (arrange_codes): a byte a code (o, i), or two (o, i / 2);
     v (T, i) the activations in the same order. Tasks of ROWS_PER_TASK rows; in each, the
-    offset terms first, then the code terms tile by tile."""
+    products tile by tile."""
     o = codes.shape[0]
     i = v.shape[1]
     nibbles = codes.shape[1] != i
-    nb = i // BLOCK
     tokens = v.shape[0]
     rs, ts = (1, o) if token_major else (tokens, 1)
     side = WIDE if tokens >= WIDE_TOKENS else PAIR if tokens >= PAIR_TOKENS else 1
     flat = out.reshape(out.size)
     for task in prange((o + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
         r0, r1 = task * ROWS_PER_TASK, min(o, (task + 1) * ROWS_PER_TASK)
-        for r in range(r0, r1):
-            for t in range(tokens):
-                s = np.float32(0)
-                for b in range(nb):
-                    s += as_float32(m[r, b]) * c[t, b]
-                k = r * rs + t * ts
-                flat[k] = flat[k] + s if add else s
+        if not add:  # the tiles add to what out holds
+            for r in range(r0, r1):
+                for t in range(tokens):
+                    flat[r * rs + t * ts] = 0
         r = r0
         while r + side <= r1:  # side x side tiles; then the tokens left in pairs, then one at a time
             t = 0
             while t + side <= tokens and side > 1:
-                _tile(codes, d, v, dx, flat, r, t, rs, ts, side, nibbles)
+                _tile(codes, d, m, v, dx, c, flat, r, t, rs, ts, side, nibbles)
                 t += side
             while t + PAIR <= tokens and side > PAIR:
                 for rr in range(r, r + side, PAIR):
-                    _tile(codes, d, v, dx, flat, rr, t, rs, ts, PAIR, nibbles)
+                    _tile(codes, d, m, v, dx, c, flat, rr, t, rs, ts, PAIR, nibbles)
                 t += PAIR
             for rr in range(r, r + side):
                 for tt in range(t, tokens):
-                    _tile(codes, d, v, dx, flat, rr, tt, rs, ts, 1, nibbles)
+                    _tile(codes, d, m, v, dx, c, flat, rr, tt, rs, ts, 1, nibbles)
             r += side
         for rr in range(r, r1):  # the rows left
             for t in range(tokens):
-                _tile(codes, d, v, dx, flat, rr, t, rs, ts, 1, nibbles)
+                _tile(codes, d, m, v, dx, c, flat, rr, t, rs, ts, 1, nibbles)
 
 
 @njit(inline="always", fastmath=FASTMATH, boundscheck=False, error_model=ERRORS)
-def _tile(codes, d, v, dx, flat, r, t, rs, ts, side, nibbles):
+def _tile(codes, d, m, v, dx, c, flat, r, t, rs, ts, side, nibbles):
     if nibbles:
         if side == WIDE:
-            tile_wide_4(codes, d, v, dx, flat, r, t, rs, ts)
+            tile_wide_4(codes, d, m, v, dx, c, flat, r, t, rs, ts)
         elif side == PAIR:
-            tile_pair_4(codes, d, v, dx, flat, r, t, rs, ts)
+            tile_pair_4(codes, d, m, v, dx, c, flat, r, t, rs, ts)
         else:
-            tile_one_4(codes, d, v, dx, flat, r, t, rs, ts)
+            tile_one_4(codes, d, m, v, dx, c, flat, r, t, rs, ts)
     elif side == WIDE:
-        tile_wide(codes, d, v, dx, flat, r, t, rs, ts)
+        tile_wide(codes, d, m, v, dx, c, flat, r, t, rs, ts)
     elif side == PAIR:
-        tile_pair(codes, d, v, dx, flat, r, t, rs, ts)
+        tile_pair(codes, d, m, v, dx, c, flat, r, t, rs, ts)
     else:
-        tile_one(codes, d, v, dx, flat, r, t, rs, ts)
+        tile_one(codes, d, m, v, dx, c, flat, r, t, rs, ts)
 
 
 @njit(nogil=True, fastmath=FASTMATH, cache=True, boundscheck=False, error_model=ERRORS)
