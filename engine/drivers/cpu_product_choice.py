@@ -20,7 +20,12 @@ import numpy as np
 
 BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 MEMORY_BOUND_TOKENS = 8  # up to here a timing pass reads every matrix of the shape
-REPEATS = 2  # timed passes at up to MEMORY_BOUND_TOKENS; one above (each is long, and steadier)
+# Timed passes at up to MEMORY_BOUND_TOKENS, and above (one matrix a pass, a few ms): the least
+# counts. One pass above had let a moment's noise hand a bucket to OpenBLAS in a server's
+# start-up (int8 1-64, openblas 65-96, int8 97-192), whose threads then spin and keep the
+# next steps' kernels to one thread.
+REPEATS = 2
+REPEATS_ABOVE = 3
 PRUNE = 3.0  # a path this many times slower than the best so far is not timed again at this bucket
 # Paths on OpenBLAS's own threads: timed last in each shape (they spin afterwards,
 # cpu_kernels.BLAS_SPIN_S), and chosen only when clearly faster than the best path on the
@@ -94,13 +99,13 @@ def choose(products: list, max_tokens: int, head_tokens: int, run, settle, clock
 
 
 def _time(members: list, path: str, x: np.ndarray, run, best: float, clock) -> float:
-    """Seconds one product takes on `path`: the least over REPEATS passes (a pass over every
-    matrix of the shape for few tokens, else one matrix), once warmed."""
+    """Seconds one product takes on `path`: the least over REPEATS passes over every matrix of
+    the shape for few tokens, else over REPEATS_ABOVE passes of one matrix, once warmed."""
     tokens = x.shape[1]
     chosen = members if tokens <= MEMORY_BOUND_TOKENS else members[:1]
     run(chosen[0], path, x)  # first use: pages touched, buffers made
     least = float("inf")
-    for _ in range(REPEATS if tokens <= MEMORY_BOUND_TOKENS else 1):
+    for _ in range(REPEATS if tokens <= MEMORY_BOUND_TOKENS else REPEATS_ABOVE):
         start = clock()
         for p in chosen:
             run(p, path, x)
