@@ -261,14 +261,19 @@ def arrange_codes(u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 @njit(inline="always", fastmath=FASTMATH, boundscheck=False, error_model=ERRORS)
+def _block_scale(x, colscale, lo, t):
+    """(dx, 1 / dx) of token t's block from feature lo: dx = max |x * colscale| / LEVELS."""
+    top = np.float32(0)
+    for j in range(BLOCK):
+        top = max(top, abs(x[lo + j, t] * colscale[lo + j]))
+    return top / np.float32(LEVELS), (np.float32(LEVELS) / top if top > 0 else np.float32(0))
+
+
+@njit(inline="always", fastmath=FASTMATH, boundscheck=False, error_model=ERRORS)
 def _quantize_token(x, colscale, qh, ql, dx, c, t):
     for b in range(x.shape[0] // BLOCK):
         lo = b * BLOCK
-        top = np.float32(0)
-        for j in range(BLOCK):
-            top = max(top, abs(x[lo + j, t] * colscale[lo + j]))
-        scale = top / np.float32(LEVELS)
-        inv = np.float32(LEVELS) / top if top > 0 else np.float32(0)
+        scale, inv = _block_scale(x, colscale, lo, t)
         total = 0
         for j in range(BLOCK):
             v = np.int32(np.rint(x[lo + j, t] * colscale[lo + j] * inv))
@@ -285,11 +290,7 @@ def _quantize_words(x, colscale, order, v, dx, c, t):
     """_quantize_token's v as one int16 each, in kernel order."""
     for b in range(x.shape[0] // BLOCK):
         lo = b * BLOCK
-        top = np.float32(0)
-        for j in range(BLOCK):
-            top = max(top, abs(x[lo + j, t] * colscale[lo + j]))
-        scale = top / np.float32(LEVELS)
-        inv = np.float32(LEVELS) / top if top > 0 else np.float32(0)
+        scale, inv = _block_scale(x, colscale, lo, t)
         total = 0
         for j in range(BLOCK):
             q = np.int32(np.rint(x[lo + j, t] * colscale[lo + j] * inv))
