@@ -119,7 +119,7 @@ class Bench:
         self.model = model
         self.config = model.config
         self.context = context
-        self.driver = NumpyDriver(block_codes=block_codes)
+        self.driver = NumpyDriver(compact=block_codes)
         weight_bytes = self.driver.weight_bytes(model)
         self.plan = fit_plan(self.driver.device(), model.config, weight_bytes, model.name)
         t = time.perf_counter()

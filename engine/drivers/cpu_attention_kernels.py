@@ -16,7 +16,8 @@ across lanes, with no horizontal sum.
     tile_block(qt, cache, block, ahead, h, base, used, limit, s, acc, top, den)
 
 qt (hd, 16): the tile's queries, pre-scaled, transposed; cache: one layer's paged KV
-(2, kv_heads, blocks, block_size, hd); `block`: the physical block, `ahead` a later one of the row
+(2, kv_heads, blocks, block_size, hd), float32 or float16 bits (uint16: numba has no float16;
+widened as they load, 16 with one instruction); `block`: the physical block, `ahead` a later one of the row
 (its keys and values are prefetched), `h` its kv head, `base` the position of its first key,
 `used` how many of its keys to read; limit (16,) int32: lane x sees positions below limit[x];
 s (block_size, 16): scratch; acc (hd, 16), top (16,), den (16,): the online softmax's running
@@ -62,6 +63,32 @@ def _const(value: float):
     return ir.Constant(_VF, [value] * LANES)
 
 
+def _elements(builder, data, cache_type):
+    """The cache's elements as LLVM sees them, and how one (or a vector of them) becomes
+    float32: float16 bits (a uint16 array; numba has no float16) are widened as they load
+    (one vcvtph2ps for 16 lanes), float32 is used as it is."""
+    if cache_type.dtype != types.uint16:
+        return data, lambda x: x
+    data = builder.bitcast(data, ir.HalfType().as_pointer())
+
+    def widen(x):
+        wide = ir.VectorType(_F32, x.type.count) if isinstance(x.type, ir.VectorType) else _F32
+        return builder.fpext(x, wide)
+
+    return data, widen
+
+
+@intrinsic
+def as_float32(typingctx, x):
+    """A KV cache element as float32: float16 bits (uint16) widened, float32 as it is."""
+    def codegen(context, builder, signature, args):
+        if signature.args[0] == types.uint16:
+            return builder.fpext(builder.bitcast(args[0], ir.HalfType()), _F32)
+        return args[0]
+
+    return types.float32(x), codegen
+
+
 def _exp(builder, module, x):
     """e^x per lane, the same range reduction and polynomial as cpu_kernels_numba.exp."""
     floor = cgutils.get_or_insert_function(module, ir.FunctionType(_VF, [_VF]), "llvm.floor.v16f32")
@@ -92,11 +119,12 @@ def tile_block(typingctx, qt, cache, block, ahead, h, base, used, limit, s, acc,
         module = builder.module
         fma = cgutils.get_or_insert_function(module, ir.FunctionType(_VF, [_VF] * 3), "llvm.fma.v16f32")
         kv_heads, blocks, block_size, hd = (builder.extract_value(cache_a.shape, i) for i in range(1, 5))
+        data, widen = _elements(builder, cache_a.data, kinds[1])
         span = builder.mul(block_size, hd)
-        keys = builder.gep(cache_a.data, [builder.mul(builder.add(builder.mul(h, blocks), block), span)])
+        keys = builder.gep(data, [builder.mul(builder.add(builder.mul(h, blocks), block), span)])
         head_v = builder.add(kv_heads, h)
-        values = builder.gep(cache_a.data, [builder.mul(builder.add(builder.mul(head_v, blocks), block), span)])
-        _prefetch(builder, cache_a.data, [builder.mul(builder.add(builder.mul(h, blocks), ahead), span),
+        values = builder.gep(data, [builder.mul(builder.add(builder.mul(head_v, blocks), block), span)])
+        _prefetch(builder, data, [builder.mul(builder.add(builder.mul(h, blocks), ahead), span),
                                           builder.mul(builder.add(builder.mul(head_v, blocks), ahead), span)], span)
         qt_v = builder.bitcast(qt_a.data, _VF.as_pointer())
         s_v = builder.bitcast(s_a.data, _VF.as_pointer())
@@ -125,7 +153,7 @@ def tile_block(typingctx, qt, cache, block, ahead, h, base, used, limit, s, acc,
                 e = e_loop.index
                 q = builder.load(builder.gep(qt_v, [e]), align=4)
                 for row, score in zip(rows, scores, strict=True):
-                    k = _splat(builder, builder.load(builder.gep(row, [e])), _VF)
+                    k = _splat(builder, widen(builder.load(builder.gep(row, [e]))), _VF)
                     builder.store(builder.call(fma, [q, k, builder.load(score)]), score)
             for t, score in zip(ts, scores, strict=True):  # a clamped duplicate stores the same value
                 builder.store(builder.select(visible(t), builder.load(score), minus_inf), builder.gep(s_v, [t]), align=4)
@@ -159,7 +187,7 @@ def tile_block(typingctx, qt, cache, block, ahead, h, base, used, limit, s, acc,
                 p = builder.load(builder.gep(s_v, [t]), align=4)
                 row = builder.gep(values, [builder.mul(t, hd)])
                 for e, total in zip(es, totals, strict=True):
-                    v = _splat(builder, builder.load(builder.gep(row, [e])), _VF)
+                    v = _splat(builder, widen(builder.load(builder.gep(row, [e]))), _VF)
                     builder.store(builder.call(fma, [p, v, builder.load(total)]), total)
             for at, total in zip(ats, totals, strict=True):
                 builder.store(builder.load(total), at, align=4)
@@ -169,12 +197,12 @@ def tile_block(typingctx, qt, cache, block, ahead, h, base, used, limit, s, acc,
 
 
 def _prefetch(builder, base, offsets, count):
-    """Ask for the cache lines of base[offset : offset + count] (float32) for each offset: a
+    """Ask for the cache lines of base[offset : offset + count] for each offset: a
     row's next block, fetched while this one is computed (its blocks sit anywhere in the pool,
     so the hardware's prefetchers do not see them coming)."""
     fetch = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [
         ir.IntType(8).as_pointer(), _I32, _I32, _I32]), "llvm.prefetch.p0i8")
-    line = ir.Constant(count.type, 16)  # float32s a 64-byte line
+    line = ir.Constant(count.type, 32 if isinstance(base.type.pointee, ir.HalfType) else 16)  # elements a 64-byte line
     for offset in offsets:
         start = builder.gep(base, [offset])
         with cgutils.for_range_slice(builder, ir.Constant(count.type, 0), count, line) as (i, _):
@@ -230,14 +258,16 @@ def query_block(typingctx, q, cache, n, block, ahead, h, used, acc, top, den):
         heads, hd = builder.extract_value(q_a.shape, 1), builder.extract_value(q_a.shape, 2)
         kv_heads, blocks = builder.extract_value(cache_a.shape, 1), builder.extract_value(cache_a.shape, 2)
         group = builder.sdiv(heads, kv_heads)
+        data, widen = _elements(builder, cache_a.data, kinds[1])
         span = builder.mul(ir.Constant(hd.type, LANES), hd)
-        keys = builder.gep(cache_a.data, [builder.mul(builder.add(builder.mul(h, blocks), block), span)])
-        values = builder.gep(cache_a.data, [builder.mul(builder.add(builder.mul(builder.add(kv_heads, h), blocks),
+        keys = builder.gep(data, [builder.mul(builder.add(builder.mul(h, blocks), block), span)])
+        values = builder.gep(data, [builder.mul(builder.add(builder.mul(builder.add(kv_heads, h), blocks),
                                                                                 block), span)])
-        _prefetch(builder, cache_a.data, [builder.mul(builder.add(builder.mul(h, blocks), ahead), span),
-                                          builder.mul(builder.add(builder.mul(builder.add(kv_heads, h), blocks), ahead), span)],
+        _prefetch(builder, data, [builder.mul(builder.add(builder.mul(h, blocks), ahead), span),
+                                  builder.mul(builder.add(builder.mul(builder.add(kv_heads, h), blocks), ahead), span)],
                   span)
         as_vector = _VF.as_pointer()
+        as_kv_vector = ir.VectorType(data.type.pointee, LANES).as_pointer()
         weights_at = cgutils.alloca_once(builder, _VF)
         weight = builder.bitcast(weights_at, _F32.as_pointer())
         partial = [cgutils.alloca_once(builder, _VF) for _ in range(LANES)]
@@ -278,7 +308,7 @@ def query_block(typingctx, q, cache, n, block, ahead, h, used, acc, top, den):
                 def scores_step(off):
                     qv = builder.load(builder.bitcast(builder.gep(qrow, [off]), as_vector), align=4)
                     for t in range(LANES):
-                        kv = builder.load(builder.bitcast(builder.gep(rows[t], [off]), as_vector), align=4)
+                        kv = widen(builder.load(builder.bitcast(builder.gep(rows[t], [off]), as_kv_vector), align=2))
                         builder.store(builder.call(fma, [qv, kv, builder.load(partial[t])]), partial[t])
 
                 each_chunk(scores_step)
@@ -309,7 +339,7 @@ def query_block(typingctx, q, cache, n, block, ahead, h, used, acc, top, den):
                     at = builder.bitcast(builder.gep(arow, [off]), as_vector)
                     sums = [builder.fmul(builder.load(at, align=4), rescale)] + [_const(0.0)] * 3
                     for t in range(LANES):  # four chains, for the FMA's latency
-                        vv = builder.load(builder.bitcast(builder.gep(vrows[t], [off]), as_vector), align=4)
+                        vv = widen(builder.load(builder.bitcast(builder.gep(vrows[t], [off]), as_kv_vector), align=2))
                         sums[t % 4] = builder.call(fma, [weights[t], vv, sums[t % 4]])
                     builder.store(builder.fadd(builder.fadd(sums[0], sums[1]), builder.fadd(sums[2], sums[3])), at,
                                   align=4)
@@ -353,7 +383,7 @@ def query_task(q, cache, table, length, out, n, h):
             for g in range(group):
                 s = np.float32(0)
                 for e in range(hd):
-                    s += qg[g, e] * keys[t, e]
+                    s += qg[g, e] * as_float32(keys[t, e])
                 p[g, t] = s
         for g in range(group):
             m = top[g]
@@ -372,7 +402,7 @@ def query_task(q, cache, table, length, out, n, h):
             for g in range(group):
                 pt = p[g, t]
                 for e in range(hd):
-                    acc[g, e] += pt * values[t, e]
+                    acc[g, e] += pt * as_float32(values[t, e])
     for g in range(group):
         inv = np.float32(1) / den[g]
         base = (h * group + g) * hd

@@ -36,6 +36,21 @@ def float_from_bits(typingctx, bits):
     return types.float32(types.int32), codegen
 
 
+@intrinsic
+def kv_element(typingctx, value, cache):
+    """`value` as `cache` holds it: rounded to float16's bits (round to nearest even) for a
+    uint16 cache, which numba reads as float16 bits since it has no float16 of its own;
+    unchanged for a float32 one."""
+    half = cache.dtype == types.uint16
+
+    def codegen(context, builder, signature, args):
+        if half:
+            return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+        return args[0]
+
+    return (types.uint16 if half else types.float32)(types.float32, cache), codegen
+
+
 @njit(inline="always", fastmath=FASTMATH, error_model=ERRORS)
 def exp(x):
     """float32 e^x, relative error under 1e-6; inputs outside [-87, 88] saturate there
@@ -169,13 +184,14 @@ def rope_run(qkv, rope, block, offset, cache, q_out, t0, n):
                     q_out[u, h, j], q_out[u, h, j + 1] = r0, r1
                 else:
                     b, o = block[u], offset[u]
-                    cache[0, h - heads, b, o, j], cache[0, h - heads, b, o, j + 1] = r0, r1
+                    cache[0, h - heads, b, o, j] = kv_element(r0, cache)
+                    cache[0, h - heads, b, o, j + 1] = kv_element(r1, cache)
     vbase = (heads + kv_heads) * hd
     for h in range(kv_heads):
         for e in range(hd):
             for t in range(n):
                 u = base + np.uint64(t)
-                cache[1, h, block[u], offset[u], e] = qkv[vbase + h * hd + e, u]
+                cache[1, h, block[u], offset[u], e] = kv_element(qkv[vbase + h * hd + e, u], cache)
 
 
 @njit(parallel=True, nogil=True, fastmath=FASTMATH, cache=True, boundscheck=False, error_model=ERRORS)

@@ -32,7 +32,7 @@ def pair(model, **kw):
     plan = fit_plan(gpu.device(), model.config, gpu.weight_bytes(model), model.name,
                     kv_bytes_per_token=gpu.kv_bytes_per_token(model.config))
     gpu.prepare(plan, model)
-    cpu = NumpyDriver(memory_bytes=1 << 30, block_codes=False)
+    cpu = NumpyDriver(memory_bytes=1 << 30, compact=False)
     cpu.prepare(plan, model)
     return cpu, gpu, plan
 

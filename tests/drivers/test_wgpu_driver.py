@@ -41,7 +41,7 @@ def pair(model, backend="vulkan", **kw):
     needs(backend)
     gpu = WgpuDriver(backend, **kw)
     plan = prepared(gpu, model)
-    cpu = NumpyDriver(memory_bytes=1 << 30, block_codes=False)
+    cpu = NumpyDriver(memory_bytes=1 << 30, compact=False)
     cpu.prepare(plan, model)
     return cpu, gpu, plan
 

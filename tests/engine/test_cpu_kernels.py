@@ -8,7 +8,10 @@ Invariants:
 - a row fed several tokens (consecutive queries of one table) goes in lane tiles, which
   agree with the same reference for any token count, grouping (tiles of 16 // group tokens,
   or one query at a time past 8 heads a group), block size and head size, and are not
-  touched by NaN in keys or values past a query's length.
+  touched by NaN in keys or values past a query's length;
+- all of it alike on a float16 cache (uint16 bits: numba has no float16), against the same
+  reference on the float16 values widened; rope_store rounds what it writes there to the
+  nearest float16.
 """
 
 from __future__ import annotations
@@ -26,8 +29,19 @@ from poot.engine.drivers import cpu_kernels
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason=cpu_kernels.unavailable_reason())
 
 
+def stored(cache: np.ndarray, half: bool) -> np.ndarray:
+    """The cache as the kernels take it: float32, or float16 bits as uint16."""
+    return cache.astype(np.float16).view(np.uint16) if half else cache
+
+
+def values_of(cache: np.ndarray) -> np.ndarray:
+    """What a stored cache holds, as float32."""
+    return cache.view(np.float16).astype(np.float32) if cache.dtype == np.uint16 else cache
+
+
 def reference_attention(q, cache, tables, table_of, lengths):
     """float64, one query at a time, keys gathered explicitly."""
+    cache = values_of(cache)
     n, heads, hd = q.shape
     kvh = cache.shape[1]
     group = heads // kvh
@@ -45,11 +59,12 @@ def reference_attention(q, cache, tables, table_of, lengths):
 
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), rows=st.integers(1, 6), kv_heads=st.sampled_from([1, 2, 3]),
-       group=st.sampled_from([1, 3]), block_size=st.sampled_from([1, 4, 16]), hd=st.sampled_from([8, 64]))
-def test_paged_attention_matches_reference(seed, rows, kv_heads, group, block_size, hd):
+       group=st.sampled_from([1, 3]), block_size=st.sampled_from([1, 4, 16]), hd=st.sampled_from([8, 64]),
+       half=st.booleans())
+def test_paged_attention_matches_reference(seed, rows, kv_heads, group, block_size, hd, half):
     rng = np.random.default_rng(seed)
     num_blocks = 64
-    cache = rng.standard_normal((2, kv_heads, num_blocks, block_size, hd), dtype=np.float32)
+    cache = stored(rng.standard_normal((2, kv_heads, num_blocks, block_size, hd), dtype=np.float32), half)
     width = int(rng.integers(1, num_blocks // rows + 1))
     tables = rng.permutation(num_blocks)[: rows * width].reshape(rows, width).astype(np.int64)
     n = int(rng.integers(1, 12))
@@ -78,44 +93,49 @@ def row_queries(rng, rows, kv_heads, group, block_size, hd, num_blocks=96):
 
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), rows=st.integers(1, 4), kv_heads=st.sampled_from([1, 3]),
-       group=st.sampled_from([1, 3, 4, 8, 20]), block_size=st.sampled_from([1, 4, 16]), hd=st.sampled_from([6, 64]))
-def test_paged_attention_tiles_of_a_rows_tokens(seed, rows, kv_heads, group, block_size, hd):
+       group=st.sampled_from([1, 3, 4, 8, 20]), block_size=st.sampled_from([1, 4, 16]), hd=st.sampled_from([6, 64]),
+       half=st.booleans())
+def test_paged_attention_tiles_of_a_rows_tokens(seed, rows, kv_heads, group, block_size, hd, half):
     rng = np.random.default_rng(seed)
-    cache = rng.standard_normal((2, kv_heads, 96, block_size, hd), dtype=np.float32)
+    cache = stored(rng.standard_normal((2, kv_heads, 96, block_size, hd), dtype=np.float32), half)
     q, tables, table_of, lengths = row_queries(rng, rows, kv_heads, group, block_size, hd)
     out = np.empty((len(q), kv_heads * group * hd), np.float32)
     cpu_kernels.paged_attention(q, cache, tables, table_of, lengths, out)
     np.testing.assert_allclose(out, reference_attention(q, cache, tables, table_of, lengths), atol=2e-5, rtol=1e-4)
 
 
-def test_paged_attention_tiles_ignore_nan_past_the_length():
+@pytest.mark.parametrize("half", [False, True], ids=["float32", "float16"])
+def test_paged_attention_tiles_ignore_nan_past_the_length(half):
     rng = np.random.default_rng(2)
     block_size, hd, group = 4, 8, 3
-    cache = rng.standard_normal((2, 1, 96, block_size, hd), dtype=np.float32)
+    cache = stored(rng.standard_normal((2, 1, 96, block_size, hd), dtype=np.float32), half)
+    nan = np.float16(np.nan).view(np.uint16) if half else np.nan
     tables = rng.permutation(96)[:24][None, :].astype(np.int64)
     lengths = np.arange(76, 83, dtype=np.int64)  # 7 tokens; the last sees 82 keys, half its last block
     table_of = np.zeros(len(lengths), np.int64)
     q = rng.standard_normal((len(lengths), group, hd), dtype=np.float32)
     before = np.empty((len(q), group * hd), np.float32)
     cpu_kernels.paged_attention(q, cache, tables, table_of, lengths, before)
-    cache[:, :, tables[0, 20], 2:] = np.nan  # the row's keys past its last token's position
-    cache[:, :, tables[0, 21:]] = np.nan
-    cache[:, :, np.setdiff1d(np.arange(96), tables[0])] = np.nan  # blocks that are not the row's
+    cache[:, :, tables[0, 20], 2:] = nan  # the row's keys past its last token's position
+    cache[:, :, tables[0, 21:]] = nan
+    cache[:, :, np.setdiff1d(np.arange(96), tables[0])] = nan  # blocks that are not the row's
     after = np.empty_like(before)
     cpu_kernels.paged_attention(q, cache, tables, table_of, lengths, after)
     np.testing.assert_array_equal(before, after)
 
 
-def test_paged_attention_ignores_keys_past_the_length():
+@pytest.mark.parametrize("half", [False, True], ids=["float32", "float16"])
+def test_paged_attention_ignores_keys_past_the_length(half):
     rng = np.random.default_rng(1)
-    cache = rng.standard_normal((2, 1, 4, 4, 8), dtype=np.float32)
+    cache = stored(rng.standard_normal((2, 1, 4, 4, 8), dtype=np.float32), half)
+    big = np.float16(1e3).view(np.uint16) if half else 1e3
     q = rng.standard_normal((1, 1, 8), dtype=np.float32)
     tables = np.array([[2, 0]], dtype=np.int64)
     args = (tables, np.zeros(1, np.int64), np.array([5], np.int64))
     before = np.empty((1, 8), np.float32)
     cpu_kernels.paged_attention(q, cache, *args, before)
-    cache[:, :, 0, 1:] = 1e3  # keys 6.. of the row: past its length
-    cache[:, :, 1] = 1e3  # a block that is not the row's
+    cache[:, :, 0, 1:] = big  # keys 6.. of the row: past its length
+    cache[:, :, 1] = big  # a block that is not the row's
     after = np.empty((1, 8), np.float32)
     cpu_kernels.paged_attention(q, cache, *args, after)
     np.testing.assert_array_equal(before, after)
@@ -163,8 +183,9 @@ def test_glue_kernels_match_numpy(tokens):
     assert cpu_kernels.specializations() == built
 
 
+@pytest.mark.parametrize("half", [False, True], ids=["float32", "float16"])
 @pytest.mark.parametrize("tokens", [1, 3, 200])
-def test_rope_store_rotates_q_and_k_and_writes_the_cache(tokens):
+def test_rope_store_rotates_q_and_k_and_writes_the_cache(tokens, half):
     rng = np.random.default_rng(tokens)
     heads, kvh, hd, block_size = 9, 3, 64, 4  # SmolLM2's: 200 tokens take the parallel path
     qkv = rng.standard_normal(((heads + 2 * kvh) * hd, tokens)).astype(np.float32)
@@ -172,14 +193,18 @@ def test_rope_store_rotates_q_and_k_and_writes_the_cache(tokens):
     rope = np.stack([np.cos(angles), np.sin(angles)], axis=-1).reshape(tokens, hd).astype(np.float32)
     slots = rng.permutation(64 * block_size)[:tokens]
     block, offset = (slots // block_size).astype(np.int64), (slots % block_size).astype(np.int64)
-    cache = np.zeros((2, kvh, 64, block_size, hd), np.float32)
+    cache = np.zeros((2, kvh, 64, block_size, hd), np.uint16 if half else np.float32)
     q = cpu_kernels.rope_store(qkv, rope, block, offset, cache, heads)
     rot = np.exp(1j * angles)[:, None, :]
     heads_of = np.ascontiguousarray(qkv.T).reshape(tokens, heads + 2 * kvh, hd)
     rotated = (np.ascontiguousarray(heads_of[:, : heads + kvh], np.float64).view(np.complex128) * rot).view(np.float64)
     np.testing.assert_allclose(q, rotated[:, :heads], rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(cache[0][:, block, offset], rotated[:, heads:].transpose(1, 0, 2), rtol=1e-5, atol=1e-5)
-    np.testing.assert_array_equal(cache[1][:, block, offset], heads_of[:, heads + kvh:].transpose(1, 0, 2))
+    keys, values = values_of(cache[0])[:, block, offset], values_of(cache[1])[:, block, offset]
+    # float16 keeps 11 significant bits: a rounded key is within half a unit in the last place.
+    np.testing.assert_allclose(keys, rotated[:, heads:].transpose(1, 0, 2), rtol=2.0**-11 + 1e-5 if half else 1e-5,
+                               atol=1e-5)
+    v = heads_of[:, heads + kvh:].transpose(1, 0, 2)
+    np.testing.assert_array_equal(values, v.astype(np.float16).astype(np.float32) if half else v)
 
 
 def test_a_second_process_loads_every_kernel_from_numbas_cache():

@@ -9,12 +9,14 @@ from poot.engine.drivers.numpy_driver import NumpyDriver
 from poot.engine.models.synthetic import synthetic_llama
 from poot.engine.plan import fit_plan
 
+from .harness import HALF_KV_RELATIVE, half_kv, logit_tolerance
+
 BS = 16
 
 
-def make_driver(cls=NumpyDriver):
+def make_driver(cls=NumpyDriver, compact=True):
     model = synthetic_llama(3)
-    driver = cls(memory_bytes=1 << 30)
+    driver = cls(memory_bytes=1 << 30, compact=compact)
     plan = fit_plan(driver.device(), model.config, 0, model.name)
     driver.prepare(plan, model)
     return driver, plan
@@ -66,13 +68,15 @@ def test_each_row_in_a_mixed_batch_matches_its_logits_alone():
     np.testing.assert_allclose(batched, np.stack(alone), atol=1e-5, rtol=0)
 
 
-def test_chunked_prefill_equals_one_shot_prefill():
-    driver, plan = make_driver()
+@pytest.mark.parametrize("compact", [False, True], ids=["float32_kv", "float16_kv"])
+def test_chunked_prefill_equals_one_shot_prefill(compact):
+    driver, plan = make_driver(compact=compact)
     (p,) = prompts(1, 1, 40, 90)
     (t,) = tables(plan, [p])
     one_shot = run_alone(driver, p, t, 1000)
+    atol = logit_tolerance(driver, synthetic_llama(3).config, 1e-5)
     for chunk in (1, 7, 16, 33):
-        np.testing.assert_allclose(run_alone(driver, p, t, chunk), one_shot, atol=1e-5, rtol=0)
+        np.testing.assert_allclose(run_alone(driver, p, t, chunk), one_shot, atol=atol, rtol=0)
 
 
 @pytest.mark.parametrize("mutant", [SharedPosition, NoLengthMask], ids=["shared_position", "no_length_mask"])
@@ -87,8 +91,9 @@ def test_breaking_positions_or_masks_breaks_batched_equals_alone(mutant):
     assert np.abs(batched - alone).max() > 1e-3
 
 
+@pytest.mark.parametrize("compact", [False, True], ids=["float32_kv", "float16_kv"])
 @pytest.mark.parametrize("mkl", [False, True], ids=["blas", "mkl"])
-def test_compiled_kernels_and_the_numpy_path_give_the_same_logits(mkl, monkeypatch):
+def test_compiled_kernels_and_the_numpy_path_give_the_same_logits(mkl, compact, monkeypatch):
     """The CPU kernels (paged attention in place, few-token products, MKL's packed products
     for the many-token ones) change how a step is computed, never what: a mixed step of a
     prefill chunk, short multi-token rows (the verification shape) and decode rows, with
@@ -103,7 +108,7 @@ def test_compiled_kernels_and_the_numpy_path_give_the_same_logits(mkl, monkeypat
     model = synthetic_llama(5)
     drivers = []
     for kernels in (True, False):
-        d = NumpyDriver(memory_bytes=1 << 30, kernels=kernels, mkl=mkl)
+        d = NumpyDriver(memory_bytes=1 << 30, kernels=kernels, mkl=mkl, compact=compact)
         d.prepare(fit_plan(d.device(), model.config, 0, model.name), model)
         drivers.append(d)
     assert drivers[0].kernels is not None and drivers[1].kernels is None
@@ -132,4 +137,10 @@ def test_compiled_kernels_and_the_numpy_path_give_the_same_logits(mkl, monkeypat
         batch = [RowWork(1, np.array(ps[1][-4:], np.int32), len(ps[1]) - 4, tabs[1], 4)]
         batch += [RowWork(i, np.array(ps[i][-8:-7], np.int32), len(ps[i]) - 8, tabs[i], 1) for i in range(3, 6)]
         results.append(np.concatenate([mixed, d.step(batch).logits]))
-    np.testing.assert_allclose(results[0], results[1], atol=1e-4, rtol=1e-4)
+    if not compact:
+        np.testing.assert_allclose(results[0], results[1], atol=1e-4, rtol=1e-4)
+        return
+    # A float16 cache on the kernels' side: the same logits up to K and V's rounding.
+    assert half_kv(drivers[0], model.config) and drivers[0].kv[0].dtype == np.uint16
+    moved = np.abs(results[0] - results[1]).max() / np.abs(results[1]).max()
+    assert 0 < moved < HALF_KV_RELATIVE, moved

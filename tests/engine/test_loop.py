@@ -65,8 +65,8 @@ def test_youngest_first_mutation_breaks_the_admission_order_check():
 
 
 def test_a_request_that_finds_no_kv_room_waits_and_starts_when_room_frees():
-    # A small device: room for about two full-length sequences.
-    engine = make_engine(memory_bytes=4 << 20)
+    # A small device: room for about two full-length sequences (a float16 KV cache).
+    engine = make_engine(memory_bytes=2 << 20)
     plan = engine.plan
     big = plan.positions - 8
     a, _ = submit(engine, "a" * 4, greedy(big, ignore_eos=True))

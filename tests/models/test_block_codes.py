@@ -10,10 +10,12 @@ from poot.engine.models import block_codes
 
 PROMPTS = 64
 CONTINUATION = 12
-# The codes give back the float32 weights bit for bit; the products take the activations
-# quantized to 16 bits per block of 32 (cpu_int8_kernels: an element off by at most 1/65278 of
-# its block's largest), which moved SmolLM2's logits by up to 6e-4 of the largest.
-LOGIT_TOLERANCE = 2e-3  # max |difference| over the step's logits, relative to max |logit|
+# The compact path against the float32 one. The codes give back the float32 weights bit for
+# bit; the products take the activations quantized to 16 bits per block of 32 (cpu_int8_kernels:
+# an element off by at most 1/65278 of its block's largest), which alone moved SmolLM2's logits
+# by up to 4.6e-4 of the largest; the KV cache in float16 (11 significant bits) alone by up
+# to 2.6e-3, both together by 2.1e-3 (63 of 64 continuations the same).
+LOGIT_TOLERANCE = 4e-3  # max |difference| over the step's logits, relative to max |logit|
 
 
 def _q4_1(rng, rows: int, cols: int) -> np.ndarray:
@@ -94,7 +96,7 @@ def test_smollm2_decode_on_codes_matches_float32(smollm2):
 
     drivers = []
     for codes in (True, False):
-        driver = NumpyDriver(memory_bytes=1 << 30, device_picks=False, block_codes=codes)
+        driver = NumpyDriver(memory_bytes=1 << 30, device_picks=False, compact=codes)
         driver.prepare(fit_plan(driver.device(), smollm2.config, 0, smollm2.name), smollm2)
         drivers.append(driver)
     assert drivers[0].kernels is None or drivers[0].kernels.blocks == 30 * 4 + 1

@@ -25,7 +25,7 @@ def engine_last_logits(model, tokens: list[int]) -> np.ndarray:
     from poot.engine.drivers.numpy_driver import NumpyDriver
     from poot.engine.plan import fit_plan
 
-    driver = NumpyDriver(memory_bytes=1 << 30, block_codes=False)  # the float32 weights, as loaded
+    driver = NumpyDriver(memory_bytes=1 << 30, compact=False)  # the float32 weights, as loaded
     plan = fit_plan(driver.device(), model.config, 0, model.name)
     driver.prepare(plan, model)
     table = list(range(plan.blocks_for(len(tokens))))

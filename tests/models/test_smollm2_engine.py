@@ -28,7 +28,7 @@ def engine(smollm2):
     # codes' path (16-bit activations) is compared with this one in tests/models/test_block_codes.py.
     from poot.engine.drivers.numpy_driver import NumpyDriver
 
-    return Engine.create(smollm2, driver=NumpyDriver(block_codes=False))
+    return Engine.create(smollm2, driver=NumpyDriver(compact=False))
 
 
 @pytest.fixture(scope="module")

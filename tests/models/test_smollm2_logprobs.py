@@ -21,7 +21,7 @@ def engine(smollm2):
     # 16-bit activations move logits by up to 6e-4 of the largest: tests/models/test_block_codes.py).
     from poot.engine.drivers.numpy_driver import NumpyDriver
 
-    return Engine.create(smollm2, driver=NumpyDriver(block_codes=False))
+    return Engine.create(smollm2, driver=NumpyDriver(compact=False))
 
 
 def run(engine, prompt, params, n=1):
