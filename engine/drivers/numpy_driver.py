@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import platform
 
@@ -15,6 +16,8 @@ from . import cpu_kernels, mkl_products
 from .base import Driver
 from .cpu_attention import StepLayout, kv_cache_shape, step_layout
 from .cpu_ops import ArrayOps, KernelOps
+
+log = logging.getLogger("poot.engine")
 
 CPU_ROWS = 32  # rows a CPU steps at far less than 32x the cost of one (weights read once)
 # With the kernels every row's tokens attend in place as paged queries, a row's tokens in lane
@@ -114,6 +117,9 @@ class NumpyDriver(Driver):
         self.program = program = fam.program(model.config)
         self.weights = fam.prepare(model.config, model.weights, plan.positions)
         self._built()
+        if self._want_kernels and not cpu_kernels.available():
+            # Several times slower: say so where the operator looks, not only in the plan.
+            log.warning("%s: every step runs on the plain NumPy path", cpu_kernels.unavailable_reason())
         if self._want_kernels and cpu_kernels.available():
             for _ in range(cpu_kernels.compile()):
                 self._built()

@@ -1,8 +1,9 @@
 """Wherever numba is installed, the CPU kernels build and pass their known-input check.
 
 Every test in test_cpu_kernels.py skips when the kernels are unavailable, and the driver
-falls back to plain NumPy without a word: a kernel change that breaks the build (a
-signature the check no longer matches, a compiler error) would otherwise look green."""
+falls back to plain NumPy with no more than a warning in the log: a kernel change that
+breaks the build (a signature the check no longer matches, a compiler error) would otherwise
+look green."""
 
 from __future__ import annotations
 
@@ -31,3 +32,19 @@ def test_every_kernel_releases_the_gil():
     assert len(kernels) >= 10
     holding = sorted(name for name, f in kernels.items() if not f.targetoptions.get("nogil"))
     assert not holding, f"kernels that hold the GIL: {holding}"
+
+
+def test_a_driver_without_its_kernels_says_so_in_the_log(monkeypatch, caplog):
+    """Several times slower on the plain NumPy path: the operator reads why in the log."""
+    from poot.engine.drivers.numpy_driver import NumpyDriver
+    from poot.engine.models.synthetic import synthetic_llama
+    from poot.engine.plan import fit_plan
+
+    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    monkeypatch.setattr(cpu_kernels, "_error", "ImportError: no numba here")
+    model = synthetic_llama(0)
+    driver = NumpyDriver(memory_bytes=1 << 30)
+    with caplog.at_level("WARNING", logger="poot.engine"):
+        driver.prepare(fit_plan(driver.device(), model.config, 0, model.name), model)
+    assert driver.kernels is None
+    assert "no numba here" in caplog.text and "plain NumPy path" in caplog.text
