@@ -63,12 +63,16 @@ def _const(value: float):
     return ir.Constant(_VF, [value] * LANES)
 
 
+def _same(x):
+    return x
+
+
 def _elements(builder, data, cache_type):
     """The cache's elements as LLVM sees them, and how one (or a vector of them) becomes
     float32: float16 bits (a uint16 array; numba has no float16) are widened as they load
     (one vcvtph2ps for 16 lanes), float32 is used as it is."""
     if cache_type.dtype != types.uint16:
-        return data, lambda x: x
+        return data, _same
     data = builder.bitcast(data, ir.HalfType().as_pointer())
 
     def widen(x):
@@ -76,10 +80,6 @@ def _elements(builder, data, cache_type):
         return builder.fpext(x, wide)
 
     return data, widen
-
-
-def _same(x):
-    return x
 
 
 def _widened(builder, keys, values, count, staged, widen):
@@ -458,7 +458,8 @@ def tile_task(q, cache, table, lengths, out, n0, count, h):
     den = np.zeros(LANES, dtype=np.float32)
     acc = np.zeros((hd, LANES), dtype=np.float32)
     scratch = np.empty((block_size, LANES), dtype=np.float32)
-    staged = np.empty(2 * block_size * hd, dtype=np.float32)  # a float16 block's keys and values, widened
+    # A float16 block's keys and values, widened (tile_block); a float32 cache needs none.
+    staged = np.empty(2 * block_size * hd if cache.itemsize == 2 else 1, dtype=np.float32)
     for j in range((length + block_size - 1) // block_size):
         ahead = table[min(j + AHEAD, (length - 1) // block_size)]
         tile_block(qt, cache, table[j], ahead, h, j * block_size, min(block_size, length - j * block_size), limit,

@@ -65,7 +65,7 @@ class NumpyDriver(Driver):
         # True: the compact path: products on the model's exact block codes where it has them,
         # and the KV cache in float16 where the kernels attend (they alone read it). False:
         # the float32 path, float32 weights and KV (what tests/models compares with transformers).
-        self._want_codes = self._want_half_kv = compact
+        self._want_compact = compact
         self._codes: tuple = (None, {})  # (model, its family's block_codes()), found once per model
         self.kernels = None  # cpu_kernels.Kernels once compiled in prepare()
 
@@ -79,7 +79,7 @@ class NumpyDriver(Driver):
         """The KV cache in float16: decode attention reads every cached key and value each step,
         so its bytes bound it (1.3-1.4x faster at half of them; the cache holds twice the tokens).
         Kept as uint16 bits, since numba has no float16; only the kernels read it."""
-        return self._want_half_kv and self._want_kernels and cpu_kernels.available()
+        return self._want_compact and self._want_kernels and cpu_kernels.available()
 
     def kv_bytes_per_token(self, config) -> int:
         return config.kv_bytes_per_token(2 if self._half_kv() else 4)
@@ -105,7 +105,7 @@ class NumpyDriver(Driver):
         weights from anywhere else), found once per model: checking every weight takes a
         second or two on SmolLM2."""
         fam = family(model.config)
-        if not (self._want_codes and self._want_kernels and hasattr(fam, "block_codes") and cpu_kernels.available()):
+        if not (self._want_compact and self._want_kernels and hasattr(fam, "block_codes") and cpu_kernels.available()):
             return {}
         if self._codes[0] is not model:
             self._codes = (model, fam.block_codes(model.config, model.weights))
