@@ -43,11 +43,14 @@ SERIAL_QUANTIZE = 1 << 13  # activations up to this many are quantized on the ca
 # interleaved in one run): one (row, token) at a time for a lone token, 2 x 2 tiles for two or
 # three, 4 x 4 (16 sums, 4 rows' codes and a token's within the 32 vector registers) from four,
 # the tokens left over in pairs. 4 x 4 tiles reach 90-100 G multiply-adds/s on the two cores.
+# A lone token in tiles of 4 rows x 1 (its activations loaded once for four rows) was 1.2-1.6x
+# faster with the codes in cache, but 1.15-1.5x slower streaming them from memory, as a step does.
 PAIR, WIDE = 2, 4
 PAIR_TOKENS, WIDE_TOKENS = 2, 4
 FEATURES = ("+avx512bw", "+avx512vnni")
 CHAINS = 4  # a dot product's latency over its throughput: a lone (row, token) splits its sum
 PREFETCH_ROWS = 16  # codes fetched this many rows ahead of the tile
+L1_WAYS = 8  # lines a level-1 data cache set holds (8 or more on x86-64 CPUs since 2008)
 
 _I32, _F32 = ir.IntType(32), ir.FloatType()
 _I8P = ir.IntType(8).as_pointer()
@@ -75,19 +78,25 @@ def half_scales(d: np.ndarray, m: np.ndarray) -> tuple[np.ndarray, np.ndarray] |
 
 def _make_tile(rows: int, tokens: int, nibbles: bool):
     """An intrinsic adding a rows x tokens tile's products to out: for each (r, t) of the tile,
-    out[(r0 + r) * rs + (t0 + t) * ts] += sum over blocks of d dx (u . v) + m' c, codes and
-    activations in kernel order (see `kernel_order`). `nibbles`: the codes are 4-bit, two a
-    byte (pack_nibbles), unpacked in registers."""
+    out[(r0 + r - first) * rs + (t0 + t) * ts] += sum over blocks of d dx (u . v) + m' c, codes and
+    activations in kernel order (see `kernel_order`). `first`: the product's row that out's
+    row 0 holds (0, or a task's first row when it writes a scratch of its own). `nibbles`: the
+    codes are 4-bit, two a byte (pack_nibbles), unpacked in registers."""
     group = GROUP
     chains = max(1, CHAINS // (rows * tokens))  # independent sums a tile keeps in flight
+    # A lone (row, token) streams its codes once, in order, and the hardware's prefetchers
+    # follow it: asking for rows ahead as well made a step's one-token products 3-5% slower
+    # (100 products out of cache, in separate processes, interleaved). Wider tiles spend
+    # longer on each row; there, asking is 1.0-1.3x faster at 2-8 tokens.
+    prefetching = rows * tokens > 1
 
     @intrinsic
-    def tile(typingctx, codes, d, m, v, dx, c, out, r0, t0, rs, ts):
-        sig = types.void(codes, d, m, v, dx, c, out, types.intp, types.intp, types.intp, types.intp)
+    def tile(typingctx, codes, d, m, v, dx, c, out, r0, t0, rs, ts, first):
+        sig = types.void(codes, d, m, v, dx, c, out, types.intp, types.intp, types.intp, types.intp, types.intp)
 
         def codegen(context, builder, signature, args):
             kinds = signature.args
-            r0, t0, rs, ts = args[7:]
+            r0, t0, rs, ts, first = args[7:]
             codes_s, d_s, m_s, v_s, dx_s, c_s, out_s = (context.make_array(k)(context, builder, a)
                                                         for k, a in zip(kinds[:7], args[:7], strict=True))
             width = builder.extract_value(v_s.shape, 1)  # activations a token (codes a row)
@@ -170,7 +179,7 @@ def _make_tile(rows: int, tokens: int, nibbles: bool):
                     sums = [[[zero] * chains for _ in range(tokens)] for _ in range(rows)]
                     for j in range(size // 2):
                         chunk = at(j, chunk0)
-                        for c in code_rows:  # the rows a few tiles on, at the same place
+                        for c in code_rows if prefetching else ():  # the rows a few tiles on, at the same place
                             where = builder.gep(c, [builder.add(builder.mul(chunk, chunk_bytes), ahead)])
                             builder.call(prefetch, [where, ir.Constant(_I32, 0), ir.Constant(_I32, 3),
                                                     ir.Constant(_I32, 1)])
@@ -204,7 +213,7 @@ def _make_tile(rows: int, tokens: int, nibbles: bool):
                                                    "llvm.vector.reduce.fadd.v16f32")
             for r in range(rows):
                 for t in range(tokens):
-                    index = builder.add(builder.mul(at(r, r0), rs), builder.mul(at(t, t0), ts))
+                    index = builder.add(builder.mul(builder.sub(at(r, r0), first), rs), builder.mul(at(t, t0), ts))
                     ptr = builder.gep(out_s.data, [index])
                     builder.store(builder.call(total, [builder.load(ptr), builder.load(acc[r][t])]), ptr)
             return context.get_dummy_value()
@@ -337,52 +346,74 @@ def int8_matmul(codes, d, m, v, dx, c, out, token_major, add):
     v (T, i) the activations in the same order. Tasks of ROWS_PER_TASK rows; in each, the
     products tile by tile."""
     o = codes.shape[0]
-    i = v.shape[1]
-    nibbles = codes.shape[1] != i
+    nibbles = codes.shape[1] != v.shape[1]
     tokens = v.shape[0]
-    rs, ts = (1, o) if token_major else (tokens, 1)
-    side = WIDE if tokens >= WIDE_TOKENS else PAIR if tokens >= PAIR_TOKENS else 1
+    tasks = (o + ROWS_PER_TASK - 1) // ROWS_PER_TASK
     flat = out.reshape(out.size)
-    for task in prange((o + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
+    if token_major and tokens > L1_WAYS:
+        # Token-major, the tiles would write lines o floats apart: for SmolLM2's head (49152)
+        # and most widths a multiple of 4 KiB, all in one L1 set. Past L1's ways, each task's
+        # sums go to a (rows, tokens) scratch, then out a token at a time: the head at 32
+        # tokens ran at 82-86 G multiply-adds/s written directly, 97-102 so (16 tokens: 4% faster).
+        for task in prange(tasks):
+            r0, r1 = task * ROWS_PER_TASK, min(o, (task + 1) * ROWS_PER_TASK)
+            scratch = np.zeros((r1 - r0) * tokens, np.float32)
+            _task_tiles(codes, d, m, v, dx, c, scratch, r0, r1, tokens, 1, r0, nibbles)
+            for t in range(tokens):
+                for r in range(r0, r1):
+                    total = scratch[(r - r0) * tokens + t]
+                    flat[t * o + r] = flat[t * o + r] + total if add else total
+        return
+    rs, ts = (1, o) if token_major else (tokens, 1)
+    for task in prange(tasks):
         r0, r1 = task * ROWS_PER_TASK, min(o, (task + 1) * ROWS_PER_TASK)
         if not add:  # the tiles add to what out holds
             for r in range(r0, r1):
                 for t in range(tokens):
                     flat[r * rs + t * ts] = 0
-        r = r0
-        while r + side <= r1:  # side x side tiles; then the tokens left in pairs, then one at a time
-            t = 0
-            while t + side <= tokens and side > 1:
-                _tile(codes, d, m, v, dx, c, flat, r, t, rs, ts, side, nibbles)
-                t += side
-            while t + PAIR <= tokens and side > PAIR:
-                for rr in range(r, r + side, PAIR):
-                    _tile(codes, d, m, v, dx, c, flat, rr, t, rs, ts, PAIR, nibbles)
-                t += PAIR
-            for rr in range(r, r + side):
-                for tt in range(t, tokens):
-                    _tile(codes, d, m, v, dx, c, flat, rr, tt, rs, ts, 1, nibbles)
-            r += side
-        for rr in range(r, r1):  # the rows left
-            for t in range(tokens):
-                _tile(codes, d, m, v, dx, c, flat, rr, t, rs, ts, 1, nibbles)
+        _task_tiles(codes, d, m, v, dx, c, flat, r0, r1, rs, ts, 0, nibbles)
 
 
 @njit(inline="always", fastmath=FASTMATH, boundscheck=False, error_model=ERRORS)
-def _tile(codes, d, m, v, dx, c, flat, r, t, rs, ts, side, nibbles):
+def _task_tiles(codes, d, m, v, dx, c, out, r0, r1, rs, ts, first, nibbles):
+    """Rows r0 .. r1 of the product for every token, tile by tile, into out (see _make_tile
+    for rs, ts and first)."""
+    tokens = v.shape[0]
+    side = WIDE if tokens >= WIDE_TOKENS else PAIR if tokens >= PAIR_TOKENS else 1
+    r = r0
+    while r + side <= r1:  # side x side tiles; then the tokens left in pairs, then one at a time
+        t = 0
+        while t + side <= tokens and side > 1:
+            _tile(codes, d, m, v, dx, c, out, r, t, rs, ts, first, side, nibbles)
+            t += side
+        while t + PAIR <= tokens and side > PAIR:
+            for rr in range(r, r + side, PAIR):
+                _tile(codes, d, m, v, dx, c, out, rr, t, rs, ts, first, PAIR, nibbles)
+            t += PAIR
+        for rr in range(r, r + side):
+            for tt in range(t, tokens):
+                _tile(codes, d, m, v, dx, c, out, rr, tt, rs, ts, first, 1, nibbles)
+        r += side
+    for rr in range(r, r1):  # the rows left
+        for t in range(tokens):
+            _tile(codes, d, m, v, dx, c, out, rr, t, rs, ts, first, 1, nibbles)
+
+
+@njit(inline="always", fastmath=FASTMATH, boundscheck=False, error_model=ERRORS)
+def _tile(codes, d, m, v, dx, c, flat, r, t, rs, ts, first, side, nibbles):
     if nibbles:
         if side == WIDE:
-            tile_wide_4(codes, d, m, v, dx, c, flat, r, t, rs, ts)
+            tile_wide_4(codes, d, m, v, dx, c, flat, r, t, rs, ts, first)
         elif side == PAIR:
-            tile_pair_4(codes, d, m, v, dx, c, flat, r, t, rs, ts)
+            tile_pair_4(codes, d, m, v, dx, c, flat, r, t, rs, ts, first)
         else:
-            tile_one_4(codes, d, m, v, dx, c, flat, r, t, rs, ts)
+            tile_one_4(codes, d, m, v, dx, c, flat, r, t, rs, ts, first)
     elif side == WIDE:
-        tile_wide(codes, d, m, v, dx, c, flat, r, t, rs, ts)
+        tile_wide(codes, d, m, v, dx, c, flat, r, t, rs, ts, first)
     elif side == PAIR:
-        tile_pair(codes, d, m, v, dx, c, flat, r, t, rs, ts)
+        tile_pair(codes, d, m, v, dx, c, flat, r, t, rs, ts, first)
     else:
-        tile_one(codes, d, m, v, dx, c, flat, r, t, rs, ts)
+        tile_one(codes, d, m, v, dx, c, flat, r, t, rs, ts, first)
 
 
 @njit(nogil=True, fastmath=FASTMATH, cache=True, boundscheck=False, error_model=ERRORS)
