@@ -43,13 +43,21 @@ SERIAL_QUANTIZE = 1 << 13  # activations up to this many are quantized on the ca
 # interleaved in one run): one (row, token) at a time for a lone token, 2 x 2 tiles for two or
 # three, 4 x 4 (16 sums, 4 rows' codes and a token's within the 32 vector registers) from four,
 # the tokens left over in pairs. 4 x 4 tiles reach 90-100 G multiply-adds/s on the two cores.
-# A lone token in tiles of 4 rows x 1 (its activations loaded once for four rows) was 1.2-1.6x
-# faster with the codes in cache, but 1.15-1.5x slower streaming them from memory, as a step does.
+# A lone token takes 4-bit rows two at a time (COLUMN): one row's sum is a chain of dependent
+# steps (dot products, scale, horizontal sum) that left the core idle between rows; two in
+# flight ran a one-token product 2.3x faster with the codes in cache (576 x 576 on one thread:
+# 10.9 against 25.2 us), a step's 120 layer products out of cache 1.03-1.1x faster (separate
+# processes, alternated). Four rows: no faster. Byte codes (a Q8_0 head) stay one row a tile:
+# two were slower there (1.10 against 0.75 ms for SmolLM2's head).
 PAIR, WIDE = 2, 4
+COLUMN = 2
 PAIR_TOKENS, WIDE_TOKENS = 2, 4
 FEATURES = ("+avx512bw", "+avx512vnni")
 CHAINS = 4  # a dot product's latency over its throughput: a lone (row, token) splits its sum
-PREFETCH_ROWS = 16  # codes fetched this many rows ahead of the tile
+# Codes are asked for this many rows ahead of the tile, into L2 (llvm.prefetch locality 2): 16
+# rows into L1 ran a step's one-token products in 3.55-3.75 ms, 32 into L2 in 3.18-3.31 (48 and
+# 64: no better); 48 or 128 rows into L1 were 1.5x slower (L1 holds 32 KiB, fewer lines than that).
+PREFETCH_ROWS = 32
 L1_WAYS = 8  # lines a level-1 data cache set holds (8 or more on x86-64 CPUs since 2008)
 
 _I32, _F32 = ir.IntType(32), ir.FloatType()
@@ -84,10 +92,9 @@ def _make_tile(rows: int, tokens: int, nibbles: bool):
     codes are 4-bit, two a byte (pack_nibbles), unpacked in registers."""
     group = GROUP
     chains = max(1, CHAINS // (rows * tokens))  # independent sums a tile keeps in flight
-    # A lone (row, token) streams its codes once, in order, and the hardware's prefetchers
-    # follow it: asking for rows ahead as well made a step's one-token products 3-5% slower
-    # (100 products out of cache, in separate processes, interleaved). Wider tiles spend
-    # longer on each row; there, asking is 1.0-1.3x faster at 2-8 tokens.
+    # Codes asked for PREFETCH_ROWS ahead: a step's one-token products (2 x 1 tiles) ran in
+    # 2.7-3.1 ms with, 3.2-3.3 without; 1.0-1.3x faster at 2-8 tokens. A 1 x 1 tile (a lone
+    # token's last row) is left to the hardware's prefetchers, which follow one ordered stream.
     prefetching = rows * tokens > 1
 
     @intrinsic
@@ -181,7 +188,7 @@ def _make_tile(rows: int, tokens: int, nibbles: bool):
                         chunk = at(j, chunk0)
                         for c in code_rows if prefetching else ():  # the rows a few tiles on, at the same place
                             where = builder.gep(c, [builder.add(builder.mul(chunk, chunk_bytes), ahead)])
-                            builder.call(prefetch, [where, ir.Constant(_I32, 0), ir.Constant(_I32, 3),
+                            builder.call(prefetch, [where, ir.Constant(_I32, 0), ir.Constant(_I32, 2),
                                                     ir.Constant(_I32, 1)])
                         u = [codes_at(c, chunk) for c in code_rows]
                         for t in range(tokens):
@@ -229,6 +236,7 @@ tile_one = _make_tile(1, 1, False)
 tile_wide_4 = _make_tile(WIDE, WIDE, True)
 tile_pair_4 = _make_tile(PAIR, PAIR, True)
 tile_one_4 = _make_tile(1, 1, True)
+tile_column_4 = _make_tile(COLUMN, 1, True)
 
 
 def pack_nibbles(u: np.ndarray) -> np.ndarray:
@@ -377,11 +385,15 @@ def int8_matmul(codes, d, m, v, dx, c, out, token_major, add):
 @njit(inline="always", fastmath=FASTMATH, boundscheck=False, error_model=ERRORS)
 def _task_tiles(codes, d, m, v, dx, c, out, r0, r1, rs, ts, first, nibbles):
     """Rows r0 .. r1 of the product for every token, tile by tile, into out (see _make_tile
-    for rs, ts and first)."""
+    for rs, ts and first). The tiles differ in how many sums they keep in flight, not in how a
+    sum is taken: a (row, token)'s result is the same in any of them."""
     tokens = v.shape[0]
     side = WIDE if tokens >= WIDE_TOKENS else PAIR if tokens >= PAIR_TOKENS else 1
     r = r0
-    while r + side <= r1:  # side x side tiles; then the tokens left in pairs, then one at a time
+    while nibbles and tokens == 1 and r + COLUMN <= r1:  # a lone token: COLUMN rows a tile
+        tile_column_4(codes, d, m, v, dx, c, out, r, 0, rs, ts, first)
+        r += COLUMN
+    while side > 1 and r + side <= r1:  # side x side tiles, the tokens left in pairs, then one by one
         t = 0
         while t + side <= tokens and side > 1:
             _tile(codes, d, m, v, dx, c, out, r, t, rs, ts, first, side, nibbles)
