@@ -59,7 +59,7 @@ def reference_attention(q, cache, tables, table_of, lengths):
 
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), rows=st.integers(1, 6), kv_heads=st.sampled_from([1, 2, 3]),
-       group=st.sampled_from([1, 3]), block_size=st.sampled_from([1, 4, 16]), hd=st.sampled_from([8, 64]),
+       group=st.sampled_from([1, 2, 3, 4, 5]), block_size=st.sampled_from([1, 4, 16]), hd=st.sampled_from([8, 64]),
        half=st.booleans())
 def test_paged_attention_matches_reference(seed, rows, kv_heads, group, block_size, hd, half):
     rng = np.random.default_rng(seed)
@@ -72,6 +72,23 @@ def test_paged_attention_matches_reference(seed, rows, kv_heads, group, block_si
     lengths = rng.integers(1, width * block_size + 1, n).astype(np.int64)
     q = rng.standard_normal((n, kv_heads * group, hd), dtype=np.float32)
     out = np.empty((n, kv_heads * group * hd), np.float32)
+    cpu_kernels.paged_attention(q, cache, tables, table_of, lengths, out)
+    np.testing.assert_allclose(out, reference_attention(q, cache, tables, table_of, lengths), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("half", [False, True], ids=["float32", "float16"])
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 5])
+def test_decode_attention_on_whole_blocks_for_every_group_size(group, half):
+    """Blocks of 16 keys at head size 64 take the compiled paths: a key and value read once for
+    the group (the group sizes listed in SHARED_GROUPS) or once a head (the others)."""
+    rng = np.random.default_rng(group)
+    kv_heads, rows, width = 2, 5, 6
+    cache = stored(rng.standard_normal((2, kv_heads, 64, 16, 64), dtype=np.float32), half)
+    tables = rng.permutation(64)[: rows * width].reshape(rows, width).astype(np.int64)
+    table_of = np.arange(rows, dtype=np.int64)
+    lengths = np.array([16, 96, 37, 64, 1], np.int64)  # whole blocks, then partial ones
+    q = 3 * rng.standard_normal((rows, kv_heads * group, 64), dtype=np.float32)
+    out = np.empty((rows, kv_heads * group * 64), np.float32)
     cpu_kernels.paged_attention(q, cache, tables, table_of, lengths, out)
     np.testing.assert_allclose(out, reference_attention(q, cache, tables, table_of, lengths), atol=2e-5, rtol=1e-4)
 
