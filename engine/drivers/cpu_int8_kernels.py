@@ -40,10 +40,10 @@ LEVELS = 127 * 256 + 127  # an activation's most magnitude: 256 qh + ql with qh,
 ROWS_PER_TASK = 32
 SERIAL_QUANTIZE = 1 << 13  # activations up to this many are quantized on the calling thread
 # Tiles by token count, measured on SmolLM2's shapes (2-core Zen 4, products of 1-24 tokens
-# interleaved in one run): one (row, token) at a time for a lone token, 2 x 2 tiles for two or
+# interleaved in one run): a lone token's rows two at a time (below), 2 x 2 tiles for two or
 # three, 4 x 4 (16 sums, 4 rows' codes and a token's within the 32 vector registers) from four,
 # the tokens left over in pairs. 4 x 4 tiles reach 90-100 G multiply-adds/s on the two cores.
-# A lone token takes 4-bit rows two at a time (COLUMN): one row's sum is a chain of dependent
+# A lone token takes 4-bit rows two at a time (COLUMN; byte codes one): one row's sum is a chain of dependent
 # steps (dot products, scale, horizontal sum) that left the core idle between rows; two in
 # flight ran a one-token product 2.3x faster with the codes in cache (576 x 576 on one thread:
 # 10.9 against 25.2 us), a step's 120 layer products out of cache 1.03-1.1x faster (separate
@@ -395,7 +395,7 @@ def _task_tiles(codes, d, m, v, dx, c, out, r0, r1, rs, ts, first, nibbles):
         r += COLUMN
     while side > 1 and r + side <= r1:  # side x side tiles, the tokens left in pairs, then one by one
         t = 0
-        while t + side <= tokens and side > 1:
+        while t + side <= tokens:
             _tile(codes, d, m, v, dx, c, out, r, t, rs, ts, first, side, nibbles)
             t += side
         while t + PAIR <= tokens and side > PAIR:
