@@ -8,7 +8,9 @@ each ratio uses the best ceilings seen in the run), on all BLAS threads as the e
 - bandwidth: a float32 matrix-vector product over a 1 GiB matrix (every byte read once, far
   beyond any cache);
 - GEMM rate: a float32 2048x2048x2048 product, the faster of OpenBLAS's and MKL's (when the
-  driver's products run on MKL).
+  driver's products run on MKL);
+- integer dot ceiling (compact path, AVX-512 VNNI CPUs): vpdpwssd alone on registers, every
+  thread (dot_ceiling.py): the most multiply-adds a second the block-code products can reach.
 Then, from the same process, the default model (SmolLM2-135M-Instruct, float32) on the
 NumpyDriver with the plan the engine would fit:
 - model load: cold (parse + dequantize the GGUF, cache off) and cached (~/.cache/poot);
@@ -28,7 +30,8 @@ GB/s, GF/s = the best ceilings sampled next to that row (information only: the b
 best of the run); bw_ms = the bandwidth bound of that step (weights read once per step + each row's
 KV, over the best bandwidth); gemm_ms = the GEMM bound (the step's matrix FLOPs over the best
 GEMM rate);
-x_bw = best / bw_ms; %gemm = gemm_ms / best, the share of the GEMM ceiling reached. A decode
+x_bw = best / bw_ms; %gemm = gemm_ms / best, the share of the GEMM ceiling reached; %dot (compact
+path) = the step's multiply-adds (FLOPs / 2) a second over the integer dot ceiling. A decode
 row's FLOPs are config.flops_per_token() (every row needs its logits); a prefill needs the
 output head for its last token only, so its FLOPs are the layers' for every token plus one
 head. Attention's FLOPs over the context are left out of both (shown apart).
@@ -72,7 +75,10 @@ class Ceilings:
     bandwidth of a float32 matrix-vector product over 1 GiB (far beyond any cache, every byte
     read once) and the float32 GEMM rate of a 2048^3 product, both on all BLAS threads."""
 
-    def __init__(self):
+    def __init__(self, dot: bool = True):
+        from benchmarks.dot_ceiling import supported
+
+        self.dot = 0.0 if dot and supported() else None  # vpdpwssd multiply-adds/s (None: not measured)
         rng = np.random.default_rng(0)
         self.a = np.full((16384, 16384), 0.5, dtype=np.float32)
         self.x = rng.standard_normal(16384, dtype=np.float32)
@@ -90,6 +96,10 @@ class Ceilings:
             gemm = max(gemm, 2 * 2048**3 / min(_timeit(lambda: mkl_products.batched_matmul(m, m), seconds / 2,
                                                        min_repeats=3)))
         self.bandwidth, self.gemm = max(self.bandwidth, bw), max(self.gemm, gemm)
+        if self.dot is not None:
+            from benchmarks.dot_ceiling import measure
+
+            self.dot = max(self.dot, measure(seconds / 4))
         return bw, gemm
 
 
@@ -124,6 +134,7 @@ class Bench:
         self.plan = fit_plan(self.driver.device(), model.config, weight_bytes, model.name)
         t = time.perf_counter()
         self.driver.prepare(self.plan, model)
+        self.driver.warm_up()  # as the engine does before it serves: every entry built before a step
         self.prepare_s = time.perf_counter() - t
         self.compiles_after_prepare = self.driver.compiles
         self.rng = np.random.default_rng(2)
@@ -228,7 +239,7 @@ class Bench:
 def run(args) -> dict:
     os.environ.setdefault("POOT_LOG_LEVEL", "warning")
     result: dict = {"threads": os.environ.get("OPENBLAS_NUM_THREADS", "default"), "cpus": os.cpu_count()}
-    ceilings = Ceilings()
+    ceilings = Ceilings(dot=not args.float32)
     ceilings.sample(args.seconds)
 
     cold_s, cached_s, model = load_times(not args.no_cold_load)
@@ -287,13 +298,18 @@ def run(args) -> dict:
                  tokens_per_s_median=r["tokens"] / med, bw_bound_ms=r["bytes"] / bw * 1e3,
                  gemm_bound_ms=r["flops"] / gemm * 1e3)
         r.update(x_bw=r["best_ms"] / r["bw_bound_ms"], pct_gemm=r["gemm_bound_ms"] / r["best_ms"])
+        if ceilings.dot:
+            r["pct_dot"] = r["flops"] / 2 / best / ceilings.dot
     result["steps"] = rows_out
-    result.update(bandwidth_Bps=bw, gemm_flops=gemm)
+    result.update(bandwidth_Bps=bw, gemm_flops=gemm, dot_macs=ceilings.dot)
     result["compiles_constant"] = bench.driver.compiles == bench.compiles_after_prepare
 
     lines.append(f"machine: {os.cpu_count()} cpus, OPENBLAS_NUM_THREADS={result['threads']}; "
                  f"best bandwidth {bw / 1e9:.1f} GB/s (sgemv, 1 GiB); best GEMM {gemm / 1e9:.0f} GFLOP/s (sgemm 2048^3, "
                  f"the faster of {'OpenBLAS and MKL' if bench.driver.kernels and bench.driver.kernels.packed else 'OpenBLAS'})")
+    if ceilings.dot:
+        lines.append(f"integer dot ceiling {ceilings.dot / 1e9:.0f} G multiply-adds/s (vpdpwssd alone on registers, "
+                     f"every thread: dot_ceiling.py)")
     kernels = bench.driver.kernels
     if kernels is not None and kernels.choices:
         lines.append(f"products, chosen by measurement at prepare ({kernels.measure_seconds:.1f} s): "
@@ -309,18 +325,20 @@ def run(args) -> dict:
         lines.append(f"block codes: {bench.weight_bytes_for(1) / 1e6:.0f} MB read by a one-token step; "
                      f"one-row bound {bench.weight_bytes_for(1) / bw * 1e3:.1f} ms/step")
     cold = f"{cold_s:.2f} s" if cold_s is not None else "skipped"
-    lines.append(f"load: cold {cold}, cached {cached_s:.2f} s; prepare {bench.prepare_s:.2f} s; "
+    lines.append(f"load: cold {cold}, cached {cached_s:.2f} s; prepare and warm-up {bench.prepare_s:.2f} s; "
                  f"plan rows={plan.rows} token_budget={plan.token_budget} idle_token_budget={plan.idle_token_budget} "
                  f"blocks={plan.num_blocks}; "
                  f"compiles constant across steps: {result['compiles_constant']}")
     lines.append("")
     lines.append(f"{'phase':<15} {'rows':>4} {'ctx':>4} {'best_ms':>8} {'med_ms':>8} {'tok/s':>8} "
-                 f"{'GB/s':>5} {'GF/s':>5} {'bw_ms':>7} {'gemm_ms':>8} {'x_bw':>6} {'%gemm':>6}")
+                 f"{'GB/s':>5} {'GF/s':>5} {'bw_ms':>7} {'gemm_ms':>8} {'x_bw':>6} {'%gemm':>6}"
+                 + (f" {'%dot':>5}" if ceilings.dot else ""))
     for r in rows_out:
         lines.append(f"{r['phase']:<15} {r['rows']:>4} {r['context']:>4} {r['best_ms']:>8.1f} {r['median_ms']:>8.1f} "
                      f"{r['tokens_per_s']:>8.1f} {r['local_bandwidth_Bps'] / 1e9:>5.1f} {r['local_gemm_flops'] / 1e9:>5.0f} "
                      f"{r['bw_bound_ms']:>7.1f} {r['gemm_bound_ms']:>8.1f} "
-                     f"{r['x_bw']:>6.2f} {r['pct_gemm'] * 100:>5.0f}%")
+                     f"{r['x_bw']:>6.2f} {r['pct_gemm'] * 100:>5.0f}%"
+                     + (f" {r['pct_dot'] * 100:>4.0f}%" if ceilings.dot else ""))
     one = next((r for r in rows_out if r["phase"] == "decode" and r["rows"] == 1), None)
     full = next(r for r in rows_out if r["phase"] == "decode" and r["rows"] == plan.rows)
     alone, beside, one_shot = (r for r in rows_out if r["phase"].startswith("prefill"))
@@ -334,6 +352,9 @@ def run(args) -> dict:
     lines.append(f"{plan.rows}-row floor on these products: products alone {full_products['best_ms']:.1f} ms + "
                  f"KV read {kv_ms:.1f} ms = {full_products['best_ms'] + kv_ms:.1f} ms, at most "
                  f"{result['full_rows_floor']['pct_gemm'] * 100:.0f}% of GEMM")
+    if ceilings.dot:
+        lines.append(f"{plan.rows}-row products alone at {full_products['pct_dot'] * 100:.0f}% of the integer dot ceiling, "
+                     f"the whole step at {full['pct_dot'] * 100:.0f}%")
     lines.append("targets: " + "; ".join(filter(None, [
         one and f"1 row x_bw {one['x_bw']:.2f} (<= 1.3)",
         f"{plan.rows} rows {full['pct_gemm'] * 100:.0f}% of GEMM (>= 45%)",
