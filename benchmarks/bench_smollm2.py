@@ -73,7 +73,8 @@ def _timeit(fn, seconds: float, min_repeats: int = 5, max_repeats: int = 200, wa
 class Ceilings:
     """What the machine does right now, measured next to each phase (the machine may be shared):
     bandwidth of a float32 matrix-vector product over 1 GiB (far beyond any cache, every byte
-    read once) and the float32 GEMM rate of a 2048^3 product, both on all BLAS threads."""
+    read once) and the float32 GEMM rate of a 2048^3 product, both on all BLAS threads; and,
+    for the compact path, the integer dot ceiling (dot_ceiling.py) on every numba thread."""
 
     def __init__(self, dot: bool = True):
         from benchmarks.dot_ceiling import supported
