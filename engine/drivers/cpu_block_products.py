@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import mkl_products
+from . import huge_pages, mkl_products
 
 BLOCK = 32
 PATHS = ("int8", "blocks", "mkl", "openblas")
@@ -119,7 +119,8 @@ class BlockProduct:
         if "int8" in paths:
             from .cpu_int8_kernels import arrange_codes
 
-            self.kernel_codes, self.order = arrange_codes(self.u)
+            arranged, self.order = arrange_codes(self.u)
+            self.kernel_codes = huge_pages.copy(arranged)  # a head's codes span many pages
         # The integer path reads the scales as float16 where that holds them exactly: a
         # 4-bit block is 20 bytes instead of 24 (the float paths keep float32).
         self.scales = (self.d, self.m)

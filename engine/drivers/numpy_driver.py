@@ -12,7 +12,7 @@ from ..models import family
 from ..ops import PAGED_OPS, STATE_OPS
 from ..plan import DeviceInfo, Plan
 from ..step import RowWork, StepArrays, StepOutput, host_logits
-from . import cpu_kernels, mkl_products
+from . import cpu_kernels, huge_pages, mkl_products
 from .base import Driver
 from .cpu_attention import StepLayout, kv_cache_shape, step_layout
 from .cpu_ops import ArrayOps, KernelOps
@@ -142,9 +142,10 @@ class NumpyDriver(Driver):
             # 2.5 s against 0.14 s), and the pool's blocks are handed out round the whole pool,
             # so lazily mapped pages would stall steps, and grow the process, for as long as
             # any block was still untouched. The plan counted this memory at fitting anyway.
+            # On 2 MiB pages (huge_pages): a row's blocks lie anywhere in it.
             self.kv = [None] * (max(layers(PAGED_OPS)) + 1)
             for i in layers(PAGED_OPS):
-                layer = np.empty(shape, np.uint16 if self.kernels is not None and self._half_kv() else np.float32)
+                layer = huge_pages.empty(shape, np.uint16 if self.kernels is not None and self._half_kv() else np.float32)
                 layer.fill(0)  # +0.0 in either
                 self.kv[i] = layer
         if program.recurrent:  # one state slot per row, no KV pool
