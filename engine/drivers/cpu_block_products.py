@@ -123,11 +123,11 @@ class BlockProduct:
             self.kernel_codes = huge_pages.copy(arranged)  # a head's codes span many pages
         # The integer path reads the scales as float16 where that holds them exactly: a
         # 4-bit block is 20 bytes instead of 24 (the float paths keep float32).
-        self.scales = (self.d, self.m)
+        self.scales = self.lane_scales = (self.d, self.m)
         if "int8" in paths:
             from .cpu_int8_kernels import half_scales
 
-            self.scales = half_scales(self.d, self.m) or self.scales
+            self.set_scales(*(half_scales(self.d, self.m) or self.scales))
         float_paths = {"mkl", "openblas"} & set(paths)
         self.values = codes.values() if float_paths else None  # the codes' float32 values, unfolded
         self.packed = mkl_products.PackedWeight(self.values, right=head) if "mkl" in paths else None
@@ -135,11 +135,21 @@ class BlockProduct:
         first = "int8" if "int8" in paths else paths[0]
         self.table: list[tuple[int, str]] = [(1 << 30, first)]
 
+    def set_scales(self, d: np.ndarray, m: np.ndarray) -> None:
+        """The integer path's block scales (d, m as they are, or as float16 bits), and the same
+        laid out in its lanes (cpu_int8_kernels.lane_scales) for its tiles of several tokens."""
+        from .cpu_int8_kernels import lane_scales
+
+        self.scales = (d, m)
+        self.lane_scales = (lane_scales(d), lane_scales(m, lone=True))
+
     @property
     def nbytes(self) -> int:
         total = self.d.nbytes + self.m.nbytes + self.colscale.nbytes
         if self.scales[0] is not self.d:
             total += self.scales[0].nbytes + self.scales[1].nbytes
+        if self.lane_scales[0] is not self.d:
+            total += self.lane_scales[0].nbytes + self.lane_scales[1].nbytes
         total += sum(c.nbytes for c in (self.u, self.kernel_codes, self.order) if c is not None)
         if self.values is not None and "openblas" in self.paths:
             total += self.values.nbytes
@@ -150,8 +160,9 @@ class BlockProduct:
     def bytes_read(self, tokens: int) -> int:
         """The weight bytes a product of `tokens` tokens reads on the path chosen for it."""
         path = self.path_for(tokens)
-        if path == "int8":
-            return self.kernel_codes.nbytes + self.scales[0].nbytes + self.scales[1].nbytes
+        if path == "int8":  # a lone token's tiles read the block scales, more tokens' the lanes'
+            d, m = self.scales if tokens == 1 else self.lane_scales
+            return self.kernel_codes.nbytes + d.nbytes + m.nbytes
         if path == "blocks":
             return self.u.nbytes + self.d.nbytes + self.m.nbytes
         return 4 * self.shape[0] * self.shape[1]
@@ -175,6 +186,7 @@ class BlockProduct:
             self.u = None  # the integer path reads its own arrangement
         if "int8" not in paths:
             self.kernel_codes = self.order = None
+            self.scales = self.lane_scales = (self.d, self.m)
         if not {"openblas"} & paths:
             self.values = None
 
@@ -187,8 +199,8 @@ class BlockProduct:
             if out is None:
                 out = np.empty((tokens, self.shape[0]) if self.head else (self.shape[0], tokens), np.float32)
             x = np.ascontiguousarray(x, dtype=np.float32)
-            _int8_kernels.int8_product(self.kernel_codes, *self.scales, self.order, x, self.colscale, out, self.head,
-                                       add)
+            _int8_kernels.int8_product(self.kernel_codes, *self.scales, *self.lane_scales, self.order, x,
+                                       self.colscale, out, self.head, add)
             return out
         q = Quantized(x, self.colscale)
         if path == "blocks":

@@ -84,12 +84,42 @@ def half_scales(d: np.ndarray, m: np.ndarray) -> tuple[np.ndarray, np.ndarray] |
     return np.ascontiguousarray(d16.view(np.uint16)), np.ascontiguousarray(m16.view(np.uint16))
 
 
-def _make_tile(rows: int, tokens: int, nibbles: bool):
+def lane_width(blocks: int) -> int:
+    """Scales a row (or token) holds in lane layout: 16 a run (see kernel_order)."""
+    return 16 * (blocks // GROUP + blocks % GROUP // 2)
+
+
+def lane_scales(s: np.ndarray, lone: bool = False) -> np.ndarray:
+    """Per-block scales (rows, blocks) in lane layout: each run's 16 lanes as the kernel's
+    accumulators hold its blocks, a block's scale on each of its lanes (`lone`: on its first
+    lane only, the others 0). A run of 2 blocks is a run of 16 lanes all the same: laid out
+    once here, its scales load as one vector, where spreading them in registers made SmolLM2's
+    576-wide products 2-5% slower at 32 tokens (interleaved in one process, either first)."""
+    rows, blocks = s.shape
+    out = np.zeros((rows, lane_width(blocks)), s.dtype)
+    first = 0
+    for run in range(out.shape[1] // 16):
+        size = GROUP if run < blocks // GROUP else 2
+        lanes = 16 // size
+        spread = out[:, 16 * run : 16 * run + 16].reshape(rows, size, lanes)
+        if lone:
+            spread[:, :, 0] = s[:, first : first + size]
+        else:
+            spread[...] = s[:, first : first + size, None]
+        first += size
+    return out
+
+
+def _make_tile(rows: int, tokens: int, nibbles: bool, lane_weights: bool):
     """An intrinsic adding a rows x tokens tile's products to out: for each (r, t) of the tile,
     out[(r0 + r - first) * rs + (t0 + t) * ts] += sum over blocks of d dx (u . v) + m' c, codes and
-    activations in kernel order (see `kernel_order`). `first`: the product's row that out's
-    row 0 holds (0, or a task's first row when it writes a scratch of its own). `nibbles`: the
-    codes are 4-bit, two a byte (pack_nibbles), unpacked in registers."""
+    activations in kernel order (see `kernel_order`), dx and c in lane layout (lane_scales).
+    `first`: the product's row that out's row 0 holds (0, or a task's first row when it
+    writes a scratch of its own). `nibbles`: the codes are 4-bit, two a byte (pack_nibbles),
+    unpacked in registers. `lane_weights`: d and m in lane layout too (several tokens' tiles,
+    where each run's scales serve many products); else as the file has them, a block a
+    scale (a lone token's tiles, which bandwidth bounds: fewer bytes). The same values in the
+    same lanes either way, so a sum's result does not depend on which tile took it."""
     group = GROUP
     chains = max(1, CHAINS // (rows * tokens))  # independent sums a tile keeps in flight
     # Codes asked for PREFETCH_ROWS ahead: a step's one-token products (2 x 1 tiles) ran in
@@ -122,11 +152,13 @@ def _make_tile(rows: int, tokens: int, nibbles: bool):
             code_rows = [row(codes_s.data, at(k, r0), stride, ir.IntType(8)) for k in range(rows)]
             half = kinds[1].dtype == types.uint16  # the scales as float16 bits (half_scales)
             scale_kind = ir.HalfType() if half else _F32
-            d_rows = [row(d_s.data, at(k, r0), blocks, scale_kind) for k in range(rows)]
-            m_rows = [row(m_s.data, at(k, r0), blocks, scale_kind) for k in range(rows)]
+            d_stride = builder.extract_value(d_s.shape, 1)  # blocks, or lane_width(blocks)
+            d_rows = [row(d_s.data, at(k, r0), d_stride, scale_kind) for k in range(rows)]
+            m_rows = [row(m_s.data, at(k, r0), d_stride, scale_kind) for k in range(rows)]
             v_rows = [row(v_s.data, at(k, t0), width, ir.IntType(16)) for k in range(tokens)]
-            dx_rows = [row(dx_s.data, at(k, t0), blocks, _F32) for k in range(tokens)]
-            c_rows = [row(c_s.data, at(k, t0), blocks, _F32) for k in range(tokens)]
+            lanes_a_token = builder.extract_value(dx_s.shape, 1)
+            dx_rows = [row(dx_s.data, at(k, t0), lanes_a_token, _F32) for k in range(tokens)]
+            c_rows = [row(c_s.data, at(k, t0), lanes_a_token, _F32) for k in range(tokens)]
             module = builder.module
             dot = cgutils.get_or_insert_function(module, ir.FunctionType(_V16I, [_V16I] * 3),
                                                  "llvm.x86.avx512.vpdpwssd.512")
@@ -176,13 +208,14 @@ def _make_tile(rows: int, tokens: int, nibbles: bool):
                 picks = [lane // lanes if not lone or lane % lanes == 0 else count for lane in range(16)]
                 return builder.shuffle_vector(s, ir.Constant(s.type, None), ir.Constant(ir.VectorType(_I32, 16), picks))
 
-            def span(count, first_block, first_chunk, size):
-                """`count` runs of `size` blocks from block first_block (chunk first_chunk): each
-                run's products summed exactly in int32, then scaled once."""
+            def span(count, first_block, first_chunk, first_run, size):
+                """`count` runs of `size` blocks from block first_block (chunk first_chunk, run
+                first_run): each run's products summed exactly in int32, then scaled once."""
                 with cgutils.for_range(builder, count) as loop:
                     k = loop.index
                     chunk0 = builder.add(first_chunk, builder.mul(k, ir.Constant(k.type, size // 2)))
                     block0 = builder.add(first_block, builder.mul(k, ir.Constant(k.type, size)))
+                    lane0 = builder.mul(builder.add(first_run, k), ir.Constant(k.type, 16))
                     sums = [[[zero] * chains for _ in range(tokens)] for _ in range(rows)]
                     for j in range(size // 2):
                         chunk = at(j, chunk0)
@@ -197,11 +230,15 @@ def _make_tile(rows: int, tokens: int, nibbles: bool):
                                 for half_ in range(2):
                                     chain = (2 * j + half_) % chains
                                     sums[r][t][chain] = builder.call(dot, [sums[r][t][chain], u[r][half_], a[half_]])
-                    ds = [scales_at(s, block0, size, scale_kind) for s in d_rows]
-                    xs = [scales_at(s, block0, size, _F32) for s in dx_rows]
                     # The offsets' term m' * c, a block a lane (one lane of a block spread over several).
-                    ms = [scales_at(s, block0, size, scale_kind, lone=True) for s in m_rows]
-                    cs = [scales_at(s, block0, size, _F32, lone=True) for s in c_rows]
+                    if lane_weights:
+                        ds = [scales_at(s, lane0, 16, scale_kind) for s in d_rows]
+                        ms = [scales_at(s, lane0, 16, scale_kind) for s in m_rows]
+                    else:
+                        ds = [scales_at(s, block0, size, scale_kind) for s in d_rows]
+                        ms = [scales_at(s, block0, size, scale_kind, lone=True) for s in m_rows]
+                    xs = [scales_at(s, lane0, 16, _F32) for s in dx_rows]
+                    cs = [scales_at(s, lane0, 16, _F32) for s in c_rows]
                     for r in range(rows):
                         for t in range(tokens):
                             scale = builder.fmul(ds[r], xs[t])
@@ -213,9 +250,9 @@ def _make_tile(rows: int, tokens: int, nibbles: bool):
                             builder.store(builder.call(fma, [ms[r], cs[t], total]), acc[r][t])
 
             origin = ir.Constant(width.type, 0)
-            span(groups, origin, origin, group)
+            span(groups, origin, origin, origin, group)
             tail = builder.mul(groups, ir.Constant(width.type, group))
-            span(pairs, tail, builder.udiv(tail, ir.Constant(width.type, 2)), 2)
+            span(pairs, tail, builder.udiv(tail, ir.Constant(width.type, 2)), groups, 2)
             total = cgutils.get_or_insert_function(module, ir.FunctionType(_F32, [_F32, _V16F]),
                                                    "llvm.vector.reduce.fadd.v16f32")
             for r in range(rows):
@@ -230,13 +267,13 @@ def _make_tile(rows: int, tokens: int, nibbles: bool):
     return tile
 
 
-tile_wide = _make_tile(WIDE, WIDE, False)
-tile_pair = _make_tile(PAIR, PAIR, False)
-tile_one = _make_tile(1, 1, False)
-tile_wide_4 = _make_tile(WIDE, WIDE, True)
-tile_pair_4 = _make_tile(PAIR, PAIR, True)
-tile_one_4 = _make_tile(1, 1, True)
-tile_column_4 = _make_tile(COLUMN, 1, True)
+tile_wide = _make_tile(WIDE, WIDE, False, True)
+tile_pair = _make_tile(PAIR, PAIR, False, True)
+tile_one = _make_tile(1, 1, False, False)
+tile_wide_4 = _make_tile(WIDE, WIDE, True, True)
+tile_pair_4 = _make_tile(PAIR, PAIR, True, True)
+tile_one_4 = _make_tile(1, 1, True, False)
+tile_column_4 = _make_tile(COLUMN, 1, True, False)
 
 
 def pack_nibbles(u: np.ndarray) -> np.ndarray:
@@ -304,7 +341,9 @@ def _quantize_token(x, colscale, qh, ql, dx, c, t):
 
 @njit(inline="always", fastmath=FASTMATH, boundscheck=False, error_model=ERRORS)
 def _quantize_words(x, colscale, order, v, dx, c, t):
-    """_quantize_token's v as one int16 each, in kernel order."""
+    """_quantize_token's v as one int16 each, in kernel order; dx and c in lane layout
+    (lane_scales: c on a block's first lane, 0 on the others)."""
+    grouped = x.shape[0] // BLOCK // GROUP * GROUP  # blocks in runs of GROUP, a lane each
     for b in range(x.shape[0] // BLOCK):
         lo = b * BLOCK
         scale, inv = _block_scale(x, colscale, lo, t)
@@ -313,13 +352,19 @@ def _quantize_words(x, colscale, order, v, dx, c, t):
             q = np.int32(np.rint(x[lo + j, t] * colscale[lo + j] * inv))
             v[t, order[lo + j]] = q
             total += q
-        dx[t, b] = scale
-        c[t, b] = scale * np.float32(total)
+        lane, lanes = b, 1
+        if b >= grouped:  # runs of 2 blocks, 8 lanes each
+            lane, lanes = grouped + (b - grouped) // 2 * 16 + (b - grouped) % 2 * 8, 8
+        for k in range(lanes):
+            dx[t, lane + k] = scale
+            c[t, lane + k] = 0
+        c[t, lane] = scale * np.float32(total)
 
 
 @njit(parallel=True, nogil=True, fastmath=FASTMATH, cache=True, boundscheck=False, error_model=ERRORS)
 def quantize_words(x, colscale, order, v, dx, c):
-    """x (i, T) -> v (T, i) int16 in kernel order, dx and c as quantize() gives them."""
+    """x (i, T) -> v (T, i) int16 in kernel order, dx and c (T, lane_width(i / BLOCK)) as
+    quantize() gives them, in lane layout."""
     if x.shape[1] * x.shape[0] <= SERIAL_QUANTIZE:  # waking the pool costs more
         for t in range(x.shape[1]):
             _quantize_words(x, colscale, order, v, dx, c, t)
@@ -348,11 +393,12 @@ def dequantize(qh, ql, dx, out):
 
 
 @njit(parallel=True, nogil=True, fastmath=FASTMATH, cache=True, boundscheck=False, error_model=ERRORS)
-def int8_matmul(codes, d, m, v, dx, c, out, token_major, add):
+def int8_matmul(codes, d, m, dw, mw, v, dx, c, out, token_major, add):
     """out = the product for every (row, token): (o, T), or (T, o) when token_major; added to
     what out holds when `add`. codes (arrange_codes): a byte a code (o, i), or two (o, i / 2);
-    v (T, i) the activations in the same order. Tasks of ROWS_PER_TASK rows; in each, the
-    products tile by tile."""
+    d, m the block scales, dw, mw the same in lane layout (lane_scales; mw lone); v (T, i) the
+    activations in the codes' order, dx and c (quantize_words) in lane layout. Tasks of
+    ROWS_PER_TASK rows; in each, the products tile by tile."""
     o = codes.shape[0]
     nibbles = codes.shape[1] != v.shape[1]
     tokens = v.shape[0]
@@ -366,7 +412,7 @@ def int8_matmul(codes, d, m, v, dx, c, out, token_major, add):
         for task in prange(tasks):
             r0, r1 = task * ROWS_PER_TASK, min(o, (task + 1) * ROWS_PER_TASK)
             scratch = np.zeros((r1 - r0) * tokens, np.float32)
-            _task_tiles(codes, d, m, v, dx, c, scratch, r0, r1, tokens, 1, r0, nibbles)
+            _task_tiles(codes, d, m, dw, mw, v, dx, c, scratch, r0, r1, tokens, 1, r0, nibbles)
             for t in range(tokens):
                 for r in range(r0, r1):
                     total = scratch[(r - r0) * tokens + t]
@@ -379,11 +425,11 @@ def int8_matmul(codes, d, m, v, dx, c, out, token_major, add):
             for r in range(r0, r1):
                 for t in range(tokens):
                     flat[r * rs + t * ts] = 0
-        _task_tiles(codes, d, m, v, dx, c, flat, r0, r1, rs, ts, 0, nibbles)
+        _task_tiles(codes, d, m, dw, mw, v, dx, c, flat, r0, r1, rs, ts, 0, nibbles)
 
 
 @njit(inline="always", fastmath=FASTMATH, boundscheck=False, error_model=ERRORS)
-def _task_tiles(codes, d, m, v, dx, c, out, r0, r1, rs, ts, first, nibbles):
+def _task_tiles(codes, d, m, dw, mw, v, dx, c, out, r0, r1, rs, ts, first, nibbles):
     """Rows r0 .. r1 of the product for every token, tile by tile, into out (see _make_tile
     for rs, ts and first). The tiles differ in how many sums they keep in flight, not in how a
     sum is taken: a (row, token)'s result is the same in any of them."""
@@ -396,48 +442,48 @@ def _task_tiles(codes, d, m, v, dx, c, out, r0, r1, rs, ts, first, nibbles):
     while side > 1 and r + side <= r1:  # side x side tiles, the tokens left in pairs, then one by one
         t = 0
         while t + side <= tokens:
-            _tile(codes, d, m, v, dx, c, out, r, t, rs, ts, first, side, nibbles)
+            _tile(codes, d, m, dw, mw, v, dx, c, out, r, t, rs, ts, first, side, nibbles)
             t += side
         while t + PAIR <= tokens and side > PAIR:
             for rr in range(r, r + side, PAIR):
-                _tile(codes, d, m, v, dx, c, out, rr, t, rs, ts, first, PAIR, nibbles)
+                _tile(codes, d, m, dw, mw, v, dx, c, out, rr, t, rs, ts, first, PAIR, nibbles)
             t += PAIR
         for rr in range(r, r + side):
             for tt in range(t, tokens):
-                _tile(codes, d, m, v, dx, c, out, rr, tt, rs, ts, first, 1, nibbles)
+                _tile(codes, d, m, dw, mw, v, dx, c, out, rr, tt, rs, ts, first, 1, nibbles)
         r += side
     for rr in range(r, r1):  # the rows left
         for t in range(tokens):
-            _tile(codes, d, m, v, dx, c, out, rr, t, rs, ts, first, 1, nibbles)
+            _tile(codes, d, m, dw, mw, v, dx, c, out, rr, t, rs, ts, first, 1, nibbles)
 
 
 @njit(inline="always", fastmath=FASTMATH, boundscheck=False, error_model=ERRORS)
-def _tile(codes, d, m, v, dx, c, flat, r, t, rs, ts, first, side, nibbles):
+def _tile(codes, d, m, dw, mw, v, dx, c, flat, r, t, rs, ts, first, side, nibbles):
     if nibbles:
         if side == WIDE:
-            tile_wide_4(codes, d, m, v, dx, c, flat, r, t, rs, ts, first)
+            tile_wide_4(codes, dw, mw, v, dx, c, flat, r, t, rs, ts, first)
         elif side == PAIR:
-            tile_pair_4(codes, d, m, v, dx, c, flat, r, t, rs, ts, first)
+            tile_pair_4(codes, dw, mw, v, dx, c, flat, r, t, rs, ts, first)
         else:
             tile_one_4(codes, d, m, v, dx, c, flat, r, t, rs, ts, first)
     elif side == WIDE:
-        tile_wide(codes, d, m, v, dx, c, flat, r, t, rs, ts, first)
+        tile_wide(codes, dw, mw, v, dx, c, flat, r, t, rs, ts, first)
     elif side == PAIR:
-        tile_pair(codes, d, m, v, dx, c, flat, r, t, rs, ts, first)
+        tile_pair(codes, dw, mw, v, dx, c, flat, r, t, rs, ts, first)
     else:
         tile_one(codes, d, m, v, dx, c, flat, r, t, rs, ts, first)
 
 
 @njit(nogil=True, fastmath=FASTMATH, cache=True, boundscheck=False, error_model=ERRORS)
-def int8_product(codes, d, m, order, x, colscale, out, token_major, add):
+def int8_product(codes, d, m, dw, mw, order, x, colscale, out, token_major, add):
     """quantize_words() then int8_matmul() in one call (a step makes some 150 products; each
     call from Python costs microseconds). order: the codes' kernel_order."""
     i, tokens = x.shape
     v = np.empty((tokens, i), np.int16)
-    dx = np.empty((tokens, i // BLOCK), np.float32)
-    c = np.empty((tokens, i // BLOCK), np.float32)
+    dx = np.empty((tokens, dw.shape[1]), np.float32)
+    c = np.empty((tokens, dw.shape[1]), np.float32)
     quantize_words(x, colscale, order, v, dx, c)
-    int8_matmul(codes, d, m, v, dx, c, out, token_major, add)
+    int8_matmul(codes, d, m, dw, mw, v, dx, c, out, token_major, add)
 
 
 KERNELS = (quantize, dequantize, quantize_words, int8_matmul, int8_product)

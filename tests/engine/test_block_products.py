@@ -251,7 +251,7 @@ def test_scales_are_read_as_float16_only_where_it_holds_them_exactly(signed):
     assert product.bytes_read(1) < BlockProduct(codes, None, ("blocks",)).bytes_read(1)
     x = rng.standard_normal((192, 6)).astype(np.float32)
     half = product.run("int8", x)
-    product.scales = (product.d, product.m)
+    product.set_scales(product.d, product.m)
     assert np.array_equal(product.run("int8", x), half)
 
     codes.d[3, 1] = np.float32(0.1)  # not a float16 value
@@ -260,3 +260,21 @@ def test_scales_are_read_as_float16_only_where_it_holds_them_exactly(signed):
     assert inexact.scales[0].dtype == np.float32 and inexact.scales[0] is inexact.d
     want = _reference(codes, np.ones(192, np.float32), x)
     np.testing.assert_allclose(inexact.run("int8", x), want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+def test_lane_scales_spread_a_tail_runs_two_blocks_over_eight_lanes_each():
+    """Several tokens' tiles read d and m laid out as their lanes hold the blocks: a run of 16
+    blocks as it is, each 2-block tail run over 16 lanes (m' on a block's first lane only)."""
+    from poot.engine.drivers.cpu_int8_kernels import lane_scales, lane_width
+
+    blocks = 20  # a run of 16, then two tail runs
+    s = np.arange(1, 2 * blocks + 1, dtype=np.float32).reshape(2, blocks)
+    assert lane_width(blocks) == 48
+    spread, lone = lane_scales(s), lane_scales(s, lone=True)
+    assert np.array_equal(spread[:, :16], s[:, :16]) and np.array_equal(lone[:, :16], s[:, :16])
+    for run, first in ((1, 16), (2, 18)):
+        lanes = slice(16 * run, 16 * run + 16)
+        assert np.array_equal(spread[:, lanes], np.repeat(s[:, first : first + 2], 8, axis=1))
+        want = np.zeros((2, 16), np.float32)
+        want[:, 0], want[:, 8] = s[:, first], s[:, first + 1]
+        assert np.array_equal(lone[:, lanes], want)
