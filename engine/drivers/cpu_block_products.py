@@ -120,7 +120,7 @@ class BlockProduct:
             from .cpu_int8_kernels import arrange_codes
 
             arranged, self.order = arrange_codes(self.u)
-            self.kernel_codes = huge_pages.copy(arranged)  # a head's codes span many pages
+            self.kernel_codes = huge_pages.placed(arranged)  # a head's codes span many pages
         # The integer path reads the scales as float16 where that holds them exactly: a
         # 4-bit block is 20 bytes instead of 24 (the float paths keep float32).
         self.scales = self.lane_scales = (self.d, self.m)

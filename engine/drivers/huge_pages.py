@@ -40,8 +40,11 @@ def empty(shape: tuple[int, ...], dtype) -> np.ndarray:
     return raw[start : start + nbytes].view(dtype).reshape(shape)
 
 
-def copy(a: np.ndarray) -> np.ndarray:
-    """A C-contiguous copy of `a` in memory from empty()."""
+def placed(a: np.ndarray) -> np.ndarray:
+    """`a`'s values on huge pages: a C-contiguous copy in memory from empty(), or `a` itself
+    where it is C-contiguous and smaller than one huge page (no copy for nothing)."""
+    if a.nbytes < HUGE_PAGE and a.flags.c_contiguous:
+        return a
     out = empty(a.shape, a.dtype)
     out[...] = a
     return out

@@ -49,9 +49,9 @@ def test_a_small_array_is_a_plain_one():
     assert a.shape == (5, 7) and a.dtype == np.float32 and a.flags.owndata
 
 
-def test_copy_keeps_every_value():
+def test_placed_keeps_every_value():
     src = np.random.default_rng(1).standard_normal((1024, 700)).astype(np.float32)
-    got = huge_pages.copy(src)
+    got = huge_pages.placed(src)
     assert got.ctypes.data % HUGE_PAGE == 0 and np.array_equal(got, src)
 
 
