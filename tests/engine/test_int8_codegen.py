@@ -1,0 +1,55 @@
+"""What the compiler makes of the integer tile (engine/drivers/cpu_int8_kernels.py) on this CPU.
+
+LLVM's tuning for some Intel cores with VNNI (rocketlake, the name a Xeon VM reported) rewrites
+each vpdpwssd into vpmaddwd + vpaddd, two instructions on the same two vector ports: the
+multi-token products ran at two thirds of their speed there. cpu_kernels asks for the fused
+instruction; these checks read the tile's machine code in a fresh interpreter (the target is
+fixed by the first compile in a process, and cached code cannot be disassembled)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from poot.engine.drivers import cpu_kernels
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason=cpu_kernels.unavailable_reason())
+
+_PROGRAM = """
+import collections, json, re
+import numpy as np
+from numba import njit
+from poot.engine.drivers import cpu_kernels
+cpu_kernels.compile()
+from poot.engine.drivers import cpu_int8_kernels as k
+
+@njit  # no cache: its machine code must be readable
+def wide(codes, dw, mw, v, dx, c, out):
+    k.tile_wide_4(codes, dw, mw, v, dx, c, out, 0, 0, 4, 1, 0)
+
+lanes = k.lane_width(18)
+scales = np.zeros((4, lanes), np.float32)
+wide(np.zeros((4, 288), np.uint8), scales, scales, np.zeros((4, 576), np.int16), scales, scales,
+     np.zeros(16, np.float32))
+asm = wide.inspect_asm(wide.signatures[0])
+print(json.dumps(collections.Counter(re.findall(r"^\\s+(v\\w+)\\s", asm, re.M))))
+"""
+
+
+def _tile_instructions() -> dict[str, int]:
+    done = subprocess.run([sys.executable, "-c", _PROGRAM], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_the_tiles_dot_products_stay_one_instruction_each():
+    if not cpu_kernels.int8_supported():
+        pytest.skip("this CPU has no AVX-512 VNNI")
+    counts = _tile_instructions()
+    # A 4 x 4 tile over 576 codes: 18 blocks, 9 chunks of 64, two dot products a chunk for
+    # each of its 16 (row, token) sums.
+    assert counts.get("vpdpwssd", 0) == 4 * 4 * 9 * 2, counts
+    assert counts.get("vpmaddwd", 0) == 0, counts
