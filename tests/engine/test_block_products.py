@@ -137,6 +137,32 @@ def test_the_integer_kernel_covers_every_tile_edge(rows, pairs, tokens, signed, 
     np.testing.assert_allclose(got, want + (1.5 if add else 0), rtol=0, atol=1e-6 * max(1.0, terms.max()))
 
 
+@settings(max_examples=40, deadline=None)
+@given(tokens=st.integers(2, 70), width=st.sampled_from([64, 576, 1536]), seed=st.integers(0, 2**16))
+def test_each_token_quantizes_the_same_alone_or_among_many(tokens, width, seed):
+    """quantize_words takes few tokens one by one and more across tokens, in vector lanes
+    (tasks of 16): a token's int16 values and scales must be the same bits either way."""
+    from poot.engine.drivers import cpu_int8_kernels as k
+
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((width, tokens)) * 10.0 ** rng.integers(-3, 4, (width, 1))).astype(np.float32)
+    x[: 2 * BLOCK, tokens // 2] = 0  # a token's all-zero blocks
+    colscale = rng.uniform(0.5, 2.0, width).astype(np.float32)
+    order, lanes = k.kernel_order(width), k.lane_width(width // BLOCK)
+
+    def quantized(xs):
+        v = np.empty((xs.shape[1], width), np.int16)
+        dx, c = (np.empty((xs.shape[1], lanes), np.float32) for _ in range(2))
+        k.quantize_words(np.ascontiguousarray(xs), colscale, order, v, dx, c)
+        return v, dx, c
+
+    together = quantized(x)
+    for t in {0, tokens // 2, tokens - 1}:
+        alone = quantized(x[:, t : t + 1])
+        for mine, theirs in zip(alone, together, strict=True):
+            assert np.array_equal(mine[0], theirs[t])
+
+
 @settings(max_examples=80, deadline=None)
 @given(tokens=st.integers(1, 6), magnitude=st.sampled_from([1e-30, 1e-3, 1.0, 1e4, 1e30]),
        zero_block=st.booleans(), seed=st.integers(0, 2**16))
