@@ -98,10 +98,10 @@ def _prefer_wide_vectors(numba) -> None:
     """Lets LLVM use the host's widest vectors. For AVX-512 hosts it prefers 256-bit ones by
     default (older chips slowed their clock for 512-bit work); here the few-token products
     ran 1.3-1.7x faster with 512-bit vectors and single-threaded paged attention 1.4x.
-    With VNNI, it also asks for vpdpwssd as one instruction: LLVM's tuning for some Intel
-    cores (rocketlake, as a Xeon VM reported itself) splits it into vpmaddwd + vpaddd, which
-    compete for the same two vector ports; the multi-token integer products ran 1.5x faster
-    fused (SmolLM2's 32-row products 70 against 43 ms).
+    With VNNI, it also asks for vpdpwssd as one instruction: LLVM's tuning for Intel cores
+    (rocketlake, as a Xeon VM reported itself, and sapphirerapids; not znver4) splits it into
+    vpmaddwd + vpaddd, which compete for the same two vector ports; the multi-token integer
+    products ran 1.5x faster fused (SmolLM2's 32-row products 70 against 43 ms).
     Applies only if nothing in the process compiled with numba before (the target is set
     up once); numba's on-disk cache keys its entries by these features."""
     if numba.config.CPU_NAME is None and numba.config.CPU_FEATURES is None:

@@ -1,10 +1,11 @@
-"""What the compiler makes of the integer tile (engine/drivers/cpu_int8_kernels.py) on this CPU.
+"""What the compiler makes of the integer tile (engine/drivers/cpu_int8_kernels.py).
 
-LLVM's tuning for some Intel cores with VNNI (rocketlake, the name a Xeon VM reported) rewrites
-each vpdpwssd into vpmaddwd + vpaddd, two instructions on the same two vector ports: the
-multi-token products ran at two thirds of their speed there. cpu_kernels asks for the fused
-instruction; these checks read the tile's machine code in a fresh interpreter (the target is
-fixed by the first compile in a process, and cached code cannot be disassembled)."""
+LLVM's tuning for Intel cores with VNNI (rocketlake, the name a Xeon VM reported, and
+sapphirerapids; not znver4) rewrites each vpdpwssd into vpmaddwd + vpaddd, two instructions on
+the same two vector ports: the multi-token products ran at two thirds of their speed there.
+cpu_kernels asks for the fused instruction; these checks read the tile's machine code, for this
+CPU and for an Intel core's tuning, in a fresh interpreter (the target is fixed by the first
+compile in a process, and cached code cannot be disassembled)."""
 
 from __future__ import annotations
 
@@ -19,14 +20,19 @@ from poot.engine.drivers import cpu_kernels
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason=cpu_kernels.unavailable_reason())
 
 _PROGRAM = """
-import collections, json, re
+import collections, json, re, sys
+import numba
 import numpy as np
-from numba import njit
 from poot.engine.drivers import cpu_kernels
-cpu_kernels.compile()
+tuning = sys.argv[1]
+if tuning == "host":
+    cpu_kernels.compile()
+else:  # the driver's features, another core's tuning (this host must run the code)
+    cpu_kernels._prefer_wide_vectors(numba)
+    numba.config.CPU_NAME = tuning
 from poot.engine.drivers import cpu_int8_kernels as k
 
-@njit  # no cache: its machine code must be readable
+@numba.njit  # no cache: its machine code must be readable
 def wide(codes, dw, mw, v, dx, c, out):
     k.tile_wide_4(codes, dw, mw, v, dx, c, out, 0, 0, 4, 1, 0)
 
@@ -39,16 +45,17 @@ print(json.dumps(collections.Counter(re.findall(r"^\\s+(v\\w+)\\s", asm, re.M)))
 """
 
 
-def _tile_instructions() -> dict[str, int]:
-    done = subprocess.run([sys.executable, "-c", _PROGRAM], capture_output=True, text=True, timeout=600)
+def _tile_instructions(tuning: str) -> dict[str, int]:
+    done = subprocess.run([sys.executable, "-c", _PROGRAM, tuning], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def test_the_tiles_dot_products_stay_one_instruction_each():
+@pytest.mark.parametrize("tuning", ["host", "sapphirerapids"])
+def test_the_tiles_dot_products_stay_one_instruction_each(tuning):
     if not cpu_kernels.int8_supported():
         pytest.skip("this CPU has no AVX-512 VNNI")
-    counts = _tile_instructions()
+    counts = _tile_instructions(tuning)
     # A 4 x 4 tile over 576 codes: 18 blocks, 9 chunks of 64, two dot products a chunk for
     # each of its 16 (row, token) sums.
     assert counts.get("vpdpwssd", 0) == 4 * 4 * 9 * 2, counts
