@@ -349,6 +349,15 @@ def _quantize_token(x, colscale, qh, ql, dx, c, t):
 
 
 @njit(inline="always", boundscheck=False, error_model=ERRORS)
+def _lanes_of(b, grouped):
+    """(first lane, lanes) of block b in lane layout: a lane each in the runs of GROUP, then
+    runs of 2 blocks, 8 lanes each."""
+    if b < grouped:
+        return b, 1
+    return grouped + (b - grouped) // 2 * 16 + (b - grouped) % 2 * 8, 8
+
+
+@njit(inline="always", boundscheck=False, error_model=ERRORS)
 def _quantize_token_words(x, colscale, order, v, dx, c, t):
     """One token's v, dx and c as _quantize_words gives them, a block's values one by one: a
     step of few tokens is quicker so than in _quantize_words' loops over tokens. The same
@@ -356,19 +365,13 @@ def _quantize_token_words(x, colscale, order, v, dx, c, t):
     grouped = x.shape[0] // BLOCK // GROUP * GROUP
     for b in range(x.shape[0] // BLOCK):
         lo = b * BLOCK
-        top = np.float32(0)
-        for j in range(BLOCK):
-            top = max(top, abs(x[lo + j, t] * colscale[lo + j]))
-        inv = np.float32(LEVELS) / top if top > 0 else np.float32(0)
+        scale, inv = _block_scale(x, colscale, lo, t)
         total = 0
         for j in range(BLOCK):
             q = np.int32(np.rint(x[lo + j, t] * colscale[lo + j] * inv))
             v[t, order[lo + j]] = q
             total += q
-        lane, lanes = b, 1
-        if b >= grouped:
-            lane, lanes = grouped + (b - grouped) // 2 * 16 + (b - grouped) % 2 * 8, 8
-        scale = top / np.float32(LEVELS)
+        lane, lanes = _lanes_of(b, grouped)
         for e in range(lanes):
             dx[t, lane + e] = scale
             c[t, lane + e] = 0
@@ -380,7 +383,7 @@ def _quantize_words(x, colscale, order, v, dx, c, t0, t1):
     """_quantize_token's v for tokens t0 .. t1 as one int16 each, in kernel order; dx and c in
     lane layout (lane_scales: c on a block's first lane, 0 on the others). x is feature-major,
     so the innermost loops run over tokens, contiguous in x: several tokens' blocks a vector."""
-    grouped = x.shape[0] // BLOCK // GROUP * GROUP  # blocks in runs of GROUP, a lane each
+    grouped = x.shape[0] // BLOCK // GROUP * GROUP  # blocks in runs of GROUP
     count = t1 - t0
     top = np.empty(count, np.float32)
     inv = np.empty(count, np.float32)
@@ -402,17 +405,13 @@ def _quantize_words(x, colscale, order, v, dx, c, t0, t1):
                 q = np.int32(np.rint(x[lo + j, t0 + k] * s * inv[k]))
                 v[t0 + k, at] = q
                 total[k] += q
-        lane, lanes = b, 1
-        if b >= grouped:  # runs of 2 blocks, 8 lanes each
-            lane, lanes = grouped + (b - grouped) // 2 * 16 + (b - grouped) % 2 * 8, 8
+        lane, lanes = _lanes_of(b, grouped)
         for k in range(count):
             scale = top[k] / np.float32(LEVELS)
             for e in range(lanes):
                 dx[t0 + k, lane + e] = scale
                 c[t0 + k, lane + e] = 0
             c[t0 + k, lane] = scale * np.float32(total[k])
-
-
 
 
 @njit(parallel=True, nogil=True, fastmath=QUANTIZE_MATH, cache=True, boundscheck=False, error_model=ERRORS)

@@ -108,9 +108,10 @@ def _prefer_wide_vectors(numba) -> None:
         import llvmlite.binding as llvm
 
         features = llvm.get_host_cpu_features().flatten()
-        if "+avx512f" in features.split(","):
+        have = features.split(",")
+        if "+avx512f" in have:
             numba.config.CPU_NAME = llvm.get_host_cpu_name()
-            tuning = ",-prefer-256-bit" + (",+fast-dpwssd" if "+avx512vnni" in features.split(",") else "")
+            tuning = ",-prefer-256-bit" + (",+fast-dpwssd" if "+avx512vnni" in have else "")
             numba.config.CPU_FEATURES = features + tuning
 
 
