@@ -143,6 +143,15 @@ class BlockProduct:
         self.scales = (d, m)
         self.lane_scales = (lane_scales(d), lane_scales(m, lone=True))
 
+    def share(self, kernel_codes: np.ndarray, scales: tuple, lane_scales: tuple, colscale: np.ndarray) -> None:
+        """Moves the integer path onto the same values held elsewhere (views of a stack over
+        a model's layers, cpu_layers): its own copies are freed."""
+        for mine, theirs in zip((self.kernel_codes, *self.scales, *self.lane_scales, self.colscale),
+                                (kernel_codes, *scales, *lane_scales, colscale), strict=True):
+            if mine.shape != theirs.shape or mine.dtype != theirs.dtype:
+                raise ValueError("shared arrays must match the product's own")
+        self.kernel_codes, self.scales, self.lane_scales, self.colscale = kernel_codes, scales, lane_scales, colscale
+
     @property
     def nbytes(self) -> int:
         total = self.d.nbytes + self.m.nbytes + self.colscale.nbytes

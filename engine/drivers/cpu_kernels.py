@@ -353,7 +353,8 @@ class Kernels:
         entry = self._packed.get(id(w))
         return entry[1] if entry is not None and entry[0] is w else None
 
-    def _block_of(self, w: np.ndarray):
+    def block_product(self, w: np.ndarray):
+        """The BlockProduct w's products run on, or None (w is not on block codes)."""
         entry = self._blocks.get(id(w))
         return entry[1] if entry is not None and entry[0] is w else None
 
@@ -370,7 +371,7 @@ class Kernels:
         return result
 
     def matmul(self, w: np.ndarray, x: np.ndarray) -> np.ndarray:
-        block = self._block_of(w)
+        block = self.block_product(w)
         if block is not None:
             result = self._run_block(block, block.path_for(x.shape[1]), x)
             return result.T if block.head else result
@@ -383,7 +384,7 @@ class Kernels:
         """(w @ x).T as a C-contiguous (T, o) array: the logits, one row per token. The head
         packed as MKL's right-hand matrix writes them so (at 32 rows, transposing 32 x 49152
         logits took 9 ms, 8% of the step)."""
-        block = self._block_of(w)
+        block = self.block_product(w)
         if block is not None:
             result = self._run_block(block, block.path_for(x.shape[1]), x)
             return result if block.head else np.ascontiguousarray(result.T)
@@ -394,7 +395,7 @@ class Kernels:
 
     def matmul_add(self, w: np.ndarray, x: np.ndarray, acc: np.ndarray) -> None:
         """acc += w @ x (the residual adds): MKL adds in place, without a result array."""
-        block = self._block_of(w)
+        block = self.block_product(w)
         if block is not None and not block.head and acc.flags.c_contiguous:
             self._run_block(block, block.path_for(x.shape[1]), x, out=acc)
             return
@@ -406,3 +407,11 @@ class Kernels:
 
     def paged_attention(self, q, cache, tables, table_of, lengths, out, tokens: int = 1) -> None:
         paged_attention(q, cache, tables, table_of, lengths, out, tokens, shared_pool=self._mkl)
+
+    @staticmethod
+    def run_layers(stack, x: np.ndarray, rope: np.ndarray, layout) -> None:
+        """A cpu_layers.DecoderStack over the step, on numba's threads as its products would
+        run alone (the smallest decides: the glue and attention between them go along)."""
+        tokens = x.shape[1]
+        _set_threads(min(p.work(tokens) for p in stack.products) >= PARALLEL_MIN_WORK)
+        stack.run(x, rope, layout, _numba.get_num_threads())

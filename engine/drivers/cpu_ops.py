@@ -182,9 +182,24 @@ class KernelOps(ArrayOps):
     one compiled call each (most of what a one-row step spent outside its products, and a
     sixth of a long prompt's step), split across threads when the step has many tokens."""
 
-    def __init__(self, program: Program, weights: dict, kv, state, kernels):
+    def __init__(self, program: Program, weights: dict, kv, state, kernels, stack=None):
         super().__init__(program, weights, kv, state)
         self.kernels = kernels
+        self.stack = stack  # cpu_layers.DecoderStack: the layers in one call, for the steps it takes
+
+    def run(self, step, layout: StepLayout | None) -> np.ndarray:
+        stack = self.stack
+        if stack is None or layout is None or not layout.all_paged or not stack.takes(len(layout.tokens)):
+            return super().run(step, layout)
+        self.begin(step, layout)
+        b: dict[str, np.ndarray] = {}
+        ops = self.program.ops
+        for op in ops[: stack.first]:
+            getattr(self, op.name)(op, b)
+        self.kernels.run_layers(stack, b["x"], self._rope_f, layout)
+        for op in ops[stack.end :]:
+            getattr(self, op.name)(op, b)
+        return b["logits"]
 
     def begin(self, step, layout: StepLayout | None) -> None:
         if layout is not None:  # (T, hd): cos, sin interleaved

@@ -12,7 +12,7 @@ from ..models import family
 from ..ops import PAGED_OPS, STATE_OPS
 from ..plan import DeviceInfo, Plan
 from ..step import RowWork, StepArrays, StepOutput, host_logits
-from . import cpu_kernels, huge_pages, mkl_products
+from . import cpu_kernels, cpu_layers, huge_pages, mkl_products
 from .base import Driver
 from .cpu_attention import StepLayout, kv_cache_shape, step_layout
 from .cpu_ops import ArrayOps, KernelOps
@@ -56,7 +56,7 @@ class NumpyDriver(Driver):
     backend = "numpy"
 
     def __init__(self, memory_bytes: int | None = None, kernels: bool = True, mkl: bool = True,
-                 device_picks: bool = True, compact: bool = True):
+                 device_picks: bool = True, compact: bool = True, stack: bool = True):
         super().__init__()
         self.device_picks = device_picks  # False: every row's logits come back (tests compare the two)
         self._memory = memory_bytes
@@ -67,7 +67,9 @@ class NumpyDriver(Driver):
         # the float32 path, float32 weights and KV (what tests/models compares with transformers).
         self._want_compact = compact
         self._codes: tuple = (None, {})  # (model, its family's block_codes()), found once per model
+        self._want_stack = stack  # False: the layers op by op at every token count (tests compare the two)
         self.kernels = None  # cpu_kernels.Kernels once compiled in prepare()
+        self.stack = None  # cpu_layers.DecoderStack: the layers in one call, where the program allows
 
     def device(self) -> DeviceInfo:
         memory = self._memory if self._memory is not None else host_memory_bytes()
@@ -134,7 +136,7 @@ class NumpyDriver(Driver):
                 self.kernels.measure(plan.max_step_tokens, plan.rows)
             self._specializations = self.kernels.specializations()
         dims, layers = program.dims, program.layers
-        self.kv = self.state = None
+        self.kv = self.state = self.kv_pool = None
         if program.paged:
             shape = kv_cache_shape(dims, plan.num_blocks, plan.block_size)
             # The pool is written through now, not on first use: a page's first touch costs far
@@ -143,11 +145,19 @@ class NumpyDriver(Driver):
             # so lazily mapped pages would stall steps, and grow the process, for as long as
             # any block was still untouched. The plan counted this memory at fitting anyway.
             # On 2 MiB pages (huge_pages): a row's blocks lie anywhere in it.
-            self.kv = [None] * (max(layers(PAGED_OPS)) + 1)
-            for i in layers(PAGED_OPS):
-                layer = huge_pages.empty(shape, np.uint16 if self.kernels is not None and self._half_kv() else np.float32)
-                layer.fill(0)  # +0.0 in either
-                self.kv[i] = layer
+            # One pool for every layer's cache (a compiled decoder stack takes it whole).
+            paged = layers(PAGED_OPS)
+            self.kv_pool = huge_pages.empty((len(paged), *shape),
+                                            np.uint16 if self.kernels is not None and self._half_kv() else np.float32)
+            self.kv_pool.fill(0)  # +0.0 in either
+            self.kv = [None] * (max(paged) + 1)
+            for k, i in enumerate(paged):
+                self.kv[i] = self.kv_pool[k]
+        self.stack = None
+        if self._want_stack and self.kernels is not None and self.kernels.blocks:
+            self.stack = cpu_layers.decoder_stack(program, self.weights, self.kernels, self.kv_pool)
+            if self.stack is not None:
+                self._specializations = self._count_specializations()
         if program.recurrent:  # one state slot per row, no KV pool
             rows, di = plan.state_slots or plan.rows, dims["d_inner"]
             self.state = [None] * (max(layers(STATE_OPS)) + 1)
@@ -165,13 +175,17 @@ class NumpyDriver(Driver):
 
     def run_step(self, step: StepArrays, batch: list[RowWork]) -> StepOutput:
         layout = self.layout(step) if self.program.paged else None
-        ops = KernelOps(self.program, self.weights, self.kv, self.state, self.kernels) if self.kernels is not None \
+        ops = KernelOps(self.program, self.weights, self.kv, self.state, self.kernels, self.stack) \
+            if self.kernels is not None \
             else ArrayOps(self.program, self.weights, self.kv, self.state)
         logits = ops.run(step, layout)
-        if self.kernels is not None and self.kernels.specializations() != self._specializations:
-            self._specializations = self.kernels.specializations()  # a kernel compiled for new types
+        if self.kernels is not None and self._count_specializations() != self._specializations:
+            self._specializations = self._count_specializations()  # a kernel compiled for new types
             self._built()
         return host_logits(batch, np.ascontiguousarray(logits, dtype=np.float32))
+
+    def _count_specializations(self) -> int:
+        return self.kernels.specializations() + (self.stack.specializations() if self.stack is not None else 0)
 
     def open_row(self, row: int, block_table: list[int]) -> None:
         super().open_row(row, block_table)

@@ -63,9 +63,47 @@ def _byte_model(family: str, config, weights: dict[str, np.ndarray], seed: int, 
     )
 
 
-def synthetic_llama(seed: int = 0, **overrides) -> LoadedModel:
+def synthetic_llama(seed: int = 0, block_coded: bool = False, **overrides) -> LoadedModel:
+    """A tiny seeded Llama with the byte tokenizer. `block_coded`: every layer matrix rounded to
+    Q4_1 values and the head to Q8_0 values, as a GGUF's dequantized blocks are (so the CPU
+    driver's products run on their codes)."""
     config = synthetic_config(**overrides)
-    return _byte_model("llama", config, synthetic_weights(config, seed), seed, "synthetic")
+    weights = synthetic_weights(config, seed)
+    if block_coded:
+        weights = {name: _q8_0(w) if name == "lm_head" else _q4_1(w) if w.ndim == 2 and name != "embed" else w
+                   for name, w in weights.items()}
+    return _byte_model("llama", config, weights, seed, "synthetic-q4_1" if block_coded else "synthetic")
+
+
+BLOCK = 32  # weights a block along a row
+
+
+def _blocks(w: np.ndarray) -> np.ndarray:
+    return w.reshape(w.shape[0], -1, BLOCK)
+
+
+def _half(a: np.ndarray) -> np.ndarray:
+    return a.astype(np.float16).astype(np.float32)
+
+
+def _q4_1(w: np.ndarray) -> np.ndarray:
+    """fl(d q) + m per block, q in 0..15, d and m float16: a block's least value is m itself (q
+    0) and its largest takes q 15, so the codes are found again from the values alone."""
+    b = _blocks(w)
+    m = _half(b.min(axis=2))
+    d = _half((b.max(axis=2) - m) / 15)
+    q = np.clip(np.rint((b - m[:, :, None]) / np.where(d == 0, 1, d)[:, :, None]), 0, 15)
+    q[:, :, 0], q[:, :, 1] = 0, 15
+    return (q * d[:, :, None] + m[:, :, None]).astype(np.float32).reshape(w.shape)
+
+
+def _q8_0(w: np.ndarray) -> np.ndarray:
+    """fl(q d) per block, q in -127..127, d float16; a block's largest magnitude takes q 127."""
+    b = _blocks(w)
+    d = _half(np.abs(b).max(axis=2) / 127)
+    q = np.clip(np.rint(b / np.where(d == 0, 1, d)[:, :, None]), -127, 127)
+    q[:, :, 0] = 127
+    return (q * d[:, :, None]).astype(np.float32).reshape(w.shape)
 
 
 # ---- the Mamba family ----------------------------------------------------------------------

@@ -1,0 +1,135 @@
+"""When the CPU driver runs a program's decoder layers as one compiled call
+(cpu_layer_kernels.decoder_layers) instead of op by op.
+
+The walk through a program costs a one-row step of SmolLM2 some 270 trips from Python into
+compiled code (nine ops a layer, each through a few Python frames): about 1.3 of its 6 ms on
+a 2-core Xeon, where its products take 3.7. A program whose layers are all the Llama layer
+(engine/models/llama.py: the nine ops, in that order, on those buffers) with every product
+on block codes runs them in one call instead, for the token counts where every layer
+product's measured choice is the integer path (cpu_product_choice), which that call takes.
+Anything else, and every other token count, walks the ops as before.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..ops import Op, Program
+from . import huge_pages
+
+# One Llama layer as its program gives it (weights by role, the layer's paged ops by layer).
+LAYER = (
+    ("rms_norm", ("x",), "h", 0),
+    ("matmul", ("h",), "qkv", 1),
+    ("rope_kv_write", ("qkv",), "q", 1),
+    ("paged_attention", ("q",), "att", 0),
+    ("matmul_add", ("att",), "x", 1),
+    ("rms_norm", ("x",), "h", 0),
+    ("matmul", ("h",), "gu", 1),
+    ("silu_mul", ("gu",), "act", 0),
+    ("matmul_add", ("act",), "x", 1),
+)
+_PRODUCTS = (1, 4, 6, 8)  # the layer's products, in the order decoder_layers takes them
+
+
+def _is_layer(ops: tuple[Op, ...], layer: int) -> bool:
+    return all((op.name, op.reads, op.writes, len(op.weights)) == shape
+               and (op.name not in ("rope_kv_write", "paged_attention") or op.layer == layer)
+               for op, shape in zip(ops, LAYER, strict=True))
+
+
+def layer_span(program: Program) -> tuple[int, int, int] | None:
+    """(first op, end op, layers) of the program's run of Llama layers, layer i's cache being
+    layer i's, when its layers are exactly that run; else None."""
+    ops = program.ops
+    first = next((i for i, op in enumerate(ops) if op.name == LAYER[0][0]), None)
+    if first is None:
+        return None
+    layers = 0
+    while first + (layers + 1) * len(LAYER) <= len(ops) and \
+            _is_layer(ops[first + layers * len(LAYER): first + (layers + 1) * len(LAYER)], layers):
+        layers += 1
+    end = first + layers * len(LAYER)
+    rest = ops[:first] + ops[end:]
+    if not layers or any(op.name in ("rms_norm", "matmul", "matmul_add", "rope_kv_write", "paged_attention",
+                                     "silu_mul") for op in rest):
+        return None
+    return first, end, layers
+
+
+class DecoderStack:
+    """A program's Llama layers on block codes, ready for cpu_layer_kernels: each role's
+    products (QKV, output, gate/up, down) with their integer-path arrays stacked over the
+    layers, and every layer's cache in one pool, so a step passes a few dozen arrays whatever
+    the depth. The products keep running alone on views of the stacks (no second copy).
+    `products`: the BlockProducts, four a layer; `pool` (layers, ...): the caches."""
+
+    def __init__(self, span: tuple[int, int, int], products: list, pool: np.ndarray, eps: float, heads: int):
+        from . import cpu_layer_kernels
+
+        self.first, self.end, self.layers = span
+        self.products = products
+        self.pool = pool
+        self.eps, self.heads = np.float32(eps), heads
+        self.kernel = cpu_layer_kernels.decoder_layers
+        self.roles = tuple(_stacked(products[role::4]) for role in range(4))
+
+    def takes(self, tokens: int) -> bool:
+        """Whether a step of `tokens` tokens runs here: every layer product chose the integer
+        path for that many."""
+        return all(p.path_for(tokens) == "int8" for p in self.products)
+
+    def run(self, x: np.ndarray, rope: np.ndarray, layout, threads: int) -> None:
+        """Every layer over the step, x (hidden, T) updated in place, on `threads` (numba's
+        thread count, as set)."""
+        self.kernel(x, *self.roles, self.pool, rope, layout.write_block, layout.write_offset, layout.paged_tables,
+                    layout.paged_table_of, layout.paged_lengths, self.eps, self.heads, threads)
+
+    def specializations(self) -> int:
+        return len(self.kernel.signatures)
+
+
+def _stacked(products: list) -> tuple:
+    """One role's integer-path arrays over the layers, (codes, d, m, dw, mw, order, colscale),
+    each product moved onto its layer's views of them."""
+    def stack(arrays: list[np.ndarray]) -> np.ndarray:
+        out = huge_pages.empty((len(arrays), *arrays[0].shape), arrays[0].dtype)
+        for layer, a in enumerate(arrays):
+            out[layer] = a
+        return out
+
+    codes = stack([p.kernel_codes for p in products])
+    d, m = (stack([p.scales[k] for p in products]) for k in (0, 1))
+    dw, mw = (stack([p.lane_scales[k] for p in products]) for k in (0, 1))
+    colscale = stack([p.colscale for p in products])
+    for layer, p in enumerate(products):
+        p.share(codes[layer], (d[layer], m[layer]), (dw[layer], mw[layer]), colscale[layer])
+    return codes, d, m, dw, mw, products[0].order, colscale
+
+
+def decoder_stack(program: Program, weights: dict, kernels, pool: np.ndarray | None) -> DecoderStack | None:
+    """The program's DecoderStack where it has one: its layers are the Llama layer, each
+    layer's cache is the pool's entry of that index, and every layer product runs on block codes
+    with the integer path among its paths, a role's arrays of one type and shape in every layer.
+    Else None."""
+    span = layer_span(program)
+    if span is None or pool is None or kernels is None:
+        return None
+    first, end, _ = span
+    products = []
+    for i in _product_ops(first, end):
+        block = kernels.block_product(weights[program.ops[i].weights[0]])
+        if block is None or "int8" not in block.paths or block.head:
+            return None
+        products.append(block)
+    kinds = [{tuple((a.dtype, a.shape) for a in (p.kernel_codes, *p.scales, *p.lane_scales, p.order, p.colscale))
+             for p in products[role::4]} for role in range(4)]
+    same_order = all(np.array_equal(p.order, products[role].order) for role in range(4) for p in products[role::4])
+    layers = sorted({op.layer for op in program.ops[first:end] if op.layer >= 0})
+    if any(len(k) != 1 for k in kinds) or not same_order or pool is None or layers != list(range(len(pool))):
+        return None
+    return DecoderStack(span, products, pool, program.eps, program.dims["heads"])
+
+
+def _product_ops(first: int, end: int) -> list[int]:
+    return [first + k * len(LAYER) + j for k in range((end - first) // len(LAYER)) for j in _PRODUCTS]

@@ -1,0 +1,170 @@
+"""The CPU driver's decoder stack (engine/drivers/cpu_layers.py, cpu_layer_kernels.py): a
+program's Llama layers in one compiled call. It changes how a step is run, never what: the
+same logits and the same KV cache, bit for bit, as the op-by-op walk, for any mix of rows."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from poot.engine.drivers import cpu_kernels
+from poot.engine.drivers.base import RowWork
+from poot.engine.drivers.numpy_driver import NumpyDriver
+from poot.engine.models import family
+from poot.engine.models.synthetic import synthetic_llama, synthetic_mamba
+from poot.engine.ops import Op
+from poot.engine.plan import fit_plan
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.int8_supported(),
+                                reason="the decoder stack runs the integer products (AVX-512 VNNI)")
+
+
+def _driver(model, stack: bool, every_count: bool = True) -> NumpyDriver:
+    """A prepared driver; `every_count`: every layer product on the integer path at every token
+    count (the tiny model's measured choice may put some on a float path), so the stack takes
+    every step."""
+    driver = NumpyDriver(memory_bytes=1 << 30, stack=stack)
+    driver.prepare(fit_plan(driver.device(), model.config, 0, model.name), model)
+    if every_count:
+        for _, product in driver.kernels._blocks.values():
+            product.table = [(1 << 30, "int8")]
+    return driver
+
+
+@pytest.fixture(scope="module")
+def model():
+    return synthetic_llama(7, block_coded=True)
+
+
+@pytest.fixture(scope="module")
+def pair(model):
+    """(stacked, op by op): the same model, the same plan, each fed the same steps."""
+    return _driver(model, True), _driver(model, False)
+
+
+def test_the_stack_is_built_for_a_block_coded_llama_only(model, pair):
+    stacked, walked = pair
+    assert stacked.stack is not None and walked.stack is None
+    assert stacked.stack.layers == model.config.num_layers
+    assert _driver(synthetic_llama(7), True).stack is None, "float32 weights have no integer products"
+    assert _driver(synthetic_mamba(1), True, every_count=False).stack is None, "not the Llama layer"
+
+
+def test_layer_span_takes_only_a_program_of_whole_llama_layers(model):
+    from poot.engine.drivers.cpu_layers import LAYER, layer_span
+
+    program = family(model.config).program(model.config)
+    layers = model.config.num_layers
+    assert layer_span(program) == (1, 1 + layers * len(LAYER), layers)
+    ops = list(program.ops)
+    swapped = ops[:]
+    swapped[2], swapped[3] = swapped[3], swapped[2]  # attention before the KV write
+    assert layer_span(dataclasses.replace(program, ops=tuple(swapped))) is None
+    wrong_cache = ops[:]
+    wrong_cache[3] = dataclasses.replace(ops[3], layer=1)  # layer 0 attends layer 1's cache
+    assert layer_span(dataclasses.replace(program, ops=tuple(wrong_cache))) is None
+    extra = ops[:-2] + [Op("rms_norm", ("x",), "h")] + ops[-2:]  # a norm outside any layer
+    assert layer_span(dataclasses.replace(program, ops=tuple(extra))) is None
+
+
+def _feed(driver, rows, steps):
+    """Opens each row on its own blocks, then runs the steps: each a list of (row, tokens);
+    returns every step's logits."""
+    plan = driver.plan
+    per_row = plan.blocks_for(plan.positions)
+    fed = {}
+    for row in rows:
+        driver.open_row(row, list(range(row * per_row, (row + 1) * per_row)))
+        fed[row] = 0
+    outs = []
+    for step in steps:
+        batch = []
+        for row, tokens in step:
+            batch.append(RowWork(row, np.array(tokens, np.int32), fed[row], driver.open_rows[row], len(tokens)))
+            fed[row] += len(tokens)
+        outs.append(driver.step(batch).logits.copy())
+    for row in rows:
+        driver.close_row(row)
+    return outs
+
+
+def _stack_runs(driver, monkeypatch) -> list[int]:
+    calls = []
+    run = driver.stack.run
+
+    def counting(x, *args):
+        calls.append(x.shape[1])
+        return run(x, *args)
+
+    monkeypatch.setattr(driver.stack, "run", counting)
+    return calls
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_stacked_layers_give_the_op_walks_logits_and_cache_bit_for_bit(pair, data, monkeypatch):
+    stacked, walked = pair
+    rows = data.draw(st.lists(st.integers(0, stacked.plan.rows - 1), min_size=1, max_size=6, unique=True))
+    steps = []
+    for _ in range(data.draw(st.integers(1, 4))):
+        live = data.draw(st.lists(st.sampled_from(rows), min_size=1, unique=True))
+        steps.append([(row, data.draw(st.lists(st.integers(0, 255), min_size=1, max_size=20))) for row in live])
+    steps = [s for s in steps if sum(len(t) for _, t in s) <= stacked.plan.max_step_tokens]
+    runs = _stack_runs(stacked, monkeypatch)
+    ours, theirs = _feed(stacked, rows, steps), _feed(walked, rows, steps)
+    assert len(runs) == len(steps), "every step ran on the stack"
+    for a, b in zip(ours, theirs, strict=True):
+        assert np.array_equal(a, b)
+    assert np.array_equal(stacked.kv_pool, walked.kv_pool)
+
+
+def test_a_step_the_stack_does_not_take_walks_the_ops(model, monkeypatch):
+    from poot.engine.drivers import cpu_block_products
+
+    monkeypatch.setattr(cpu_block_products.BlockProduct, "keep_only", lambda self, paths: None)  # every path kept
+    driver = _driver(model, True, every_count=False)
+    for _, product in driver.kernels._blocks.values():  # two tokens and more on a float path
+        product.table = [(1, "int8"), (1 << 30, "blocks")]
+    runs = _stack_runs(driver, monkeypatch)
+    _feed(driver, [0, 1], [[(0, [5, 6, 7])], [(0, [8])], [(0, [9]), (1, [10, 11])], [(1, [12])]])
+    assert runs == [1, 1], "the one-token steps on the stack, the others op by op"
+
+
+def test_nothing_is_built_after_the_warm_up_whatever_the_token_counts(model):
+    driver = NumpyDriver(memory_bytes=1 << 30)
+    driver.prepare(fit_plan(driver.device(), model.config, 0, model.name), model)
+    driver.warm_up()
+    assert driver.stack is not None
+    built = driver.compiles
+    counts = [1, 2, 5, 12, 13, 31, 32, 33, 64, driver.plan.max_step_tokens]
+    _feed(driver, [0], [[(0, [3] * n)] for n in counts if n <= driver.plan.max_step_tokens // 2])
+    assert driver.compiles == built
+
+
+def test_a_callee_file_changes_the_stacks_cache_stamp(tmp_path, monkeypatch):
+    """numba checks a cached kernel against its own file; the stack's machine code also holds
+    its callees', so their files are in its stamp."""
+    from poot.engine.drivers import cpu_layer_kernels
+
+    callee = tmp_path / "callee.py"
+    callee.write_text("x = 1\n")
+    monkeypatch.setattr(cpu_layer_kernels, "CALLEE_FILES", (str(callee),))
+    locator = cpu_layer_kernels._InTree.from_function(cpu_layer_kernels.decoder_layers.py_func,
+                                                       cpu_layer_kernels.__file__)
+    before = locator.get_source_stamp()
+    callee.write_text("x = 2\n")
+    assert locator.get_source_stamp() != before
+    assert cpu_layer_kernels._InTree.from_function(cpu_kernels.compile, cpu_kernels.__file__) is None, \
+        "other modules' kernels keep numba's own locators"
+    assert isinstance(cpu_layer_kernels.decoder_layers._cache._impl.locator, cpu_layer_kernels._StampedWithCallees)
+
+
+def test_a_product_shares_only_arrays_like_its_own(pair):
+    product = pair[0].stack.products[0]
+    codes = product.kernel_codes
+    with pytest.raises(ValueError, match="must match"):
+        product.share(codes[:, 1:], product.scales, product.lane_scales, product.colscale)
