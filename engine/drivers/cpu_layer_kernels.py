@@ -19,10 +19,11 @@ import numpy as np
 from numba import njit
 from numba.core import caching
 
-# The kernel modules this one's machine code includes (see the module's docstring).
+# The kernel modules this one's machine code includes (see the module's docstring), and the
+# policy module whose thresholds it takes (numba freezes a global's value into the code).
 _HERE = os.path.dirname(os.path.abspath(__file__))
 CALLEE_FILES = tuple(os.path.join(_HERE, f"{name}.py") for name in
-                     ("cpu_kernels_numba", "cpu_int8_kernels", "cpu_attention_kernels"))
+                     ("cpu_kernels_numba", "cpu_int8_kernels", "cpu_attention_kernels", "cpu_kernels"))
 
 
 class _StampedWithCallees:
@@ -59,6 +60,7 @@ for _locator in (_UserWide, _InTree):
 
 from .cpu_attention_kernels import paged_attention  # noqa: E402  (after the locators: import compiles nothing)
 from .cpu_int8_kernels import int8_product  # noqa: E402
+from .cpu_kernels import GLUE_PARALLEL_MIN, TOKEN_RUN  # noqa: E402
 from .cpu_kernels_numba import (  # noqa: E402
     ERRORS,
     FASTMATH,
@@ -70,13 +72,10 @@ from .cpu_kernels_numba import (  # noqa: E402
     silu_rows,
 )
 
-# As cpu_kernels: elements from which a glue kernel splits across threads, and most tokens a run.
-GLUE_PARALLEL_MIN = 1 << 15
-TOKEN_RUN = 64
-
 
 @njit(inline="always", boundscheck=False, error_model=ERRORS)
 def _run_length(tokens, threads):
+    """cpu_kernels.run_length, in compiled code."""
     runs = threads * -(-tokens // (threads * TOKEN_RUN))
     return -(-tokens // runs)
 
