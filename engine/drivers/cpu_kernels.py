@@ -412,6 +412,5 @@ class Kernels:
     def run_layers(stack, x: np.ndarray, rope: np.ndarray, layout) -> None:
         """A cpu_layers.DecoderStack over the step, on numba's threads as its products would
         run alone (the smallest decides: the glue and attention between them go along)."""
-        tokens = x.shape[1]
-        _set_threads(min(p.work(tokens) for p in stack.products) >= PARALLEL_MIN_WORK)
+        _set_threads(stack.smallest * x.shape[1] >= PARALLEL_MIN_WORK)
         stack.run(x, rope, layout, _numba.get_num_threads())

@@ -73,11 +73,16 @@ class DecoderStack:
         self.eps, self.heads = np.float32(eps), heads
         self.kernel = cpu_layer_kernels.decoder_layers
         self.roles = tuple(_stacked(products[role::4]) for role in range(4))
+        self.smallest = min(p.shape[0] * p.shape[1] for p in products)  # a token's work in the least product
+        self._takes: dict[int, bool] = {}  # by token count: asked every step, fixed once the choice is made
 
     def takes(self, tokens: int) -> bool:
         """Whether a step of `tokens` tokens runs here: every layer product chose the integer
         path for that many."""
-        return all(p.path_for(tokens) == "int8" for p in self.products)
+        taken = self._takes.get(tokens)
+        if taken is None:
+            taken = self._takes[tokens] = all(p.path_for(tokens) == "int8" for p in self.products)
+        return taken
 
     def run(self, x: np.ndarray, rope: np.ndarray, layout, threads: int) -> None:
         """Every layer over the step, x (hidden, T) updated in place, on `threads` (numba's
@@ -126,7 +131,7 @@ def decoder_stack(program: Program, weights: dict, kernels, pool: np.ndarray | N
              for p in products[role::4]} for role in range(4)]
     same_order = all(np.array_equal(p.order, products[role].order) for role in range(4) for p in products[role::4])
     layers = sorted({op.layer for op in program.ops[first:end] if op.layer >= 0})
-    if any(len(k) != 1 for k in kinds) or not same_order or pool is None or layers != list(range(len(pool))):
+    if any(len(k) != 1 for k in kinds) or not same_order or layers != list(range(len(pool))):
         return None
     return DecoderStack(span, products, pool, program.eps, program.dims["heads"])
 

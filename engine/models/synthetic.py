@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from .base import LlamaConfig, LoadedModel
+from .block_codes import BLOCK, _half
 from .byte_tokenizer import ByteTokenizer
 
 CHAT_TEMPLATE = (
@@ -75,20 +76,14 @@ def synthetic_llama(seed: int = 0, block_coded: bool = False, **overrides) -> Lo
     return _byte_model("llama", config, weights, seed, "synthetic-q4_1" if block_coded else "synthetic")
 
 
-BLOCK = 32  # weights a block along a row
-
-
 def _blocks(w: np.ndarray) -> np.ndarray:
     return w.reshape(w.shape[0], -1, BLOCK)
 
 
-def _half(a: np.ndarray) -> np.ndarray:
-    return a.astype(np.float16).astype(np.float32)
-
-
 def _q4_1(w: np.ndarray) -> np.ndarray:
-    """fl(d q) + m per block, q in 0..15, d and m float16: a block's least value is m itself (q
-    0) and its largest takes q 15, so the codes are found again from the values alone."""
+    """fl(d q) + m per block, q in 0..15, d and m float16; each block's first weight takes q 0
+    and its second q 15 (as a quantizer gives its least and largest), so block_codes finds the
+    codes again from the values alone."""
     b = _blocks(w)
     m = _half(b.min(axis=2))
     d = _half((b.max(axis=2) - m) / 15)
