@@ -143,25 +143,26 @@ _BOUNDS = re.compile(r"__launch_bounds__\(([^)]*)\)\s*(?:\\\s*)*(\w+?)(?:_##SUFF
 _DEFINE = re.compile(r"^#define (\w+) (.+)$", re.M)
 
 
+def _product(expr: str, macros: dict[str, str]) -> int:
+    """A number, a macro or a product of them, as a launch bound states it."""
+    expr = expr.strip().strip("()")
+    if "*" in expr:
+        return math.prod(_product(term, macros) for term in expr.split("*"))
+    return int(expr) if expr.isdigit() else _product(macros[expr], macros)
+
+
 @cache
 def launch_bounds(lanes: int) -> dict[str, int]:
-    """Each kernel's __launch_bounds__ as the sources state it (a number, a macro, or a
-    product of them, LANES among them), evaluated for `lanes`: what a launch's block must equal."""
+    """Each kernel's __launch_bounds__ as the sources state it, evaluated for `lanes` (LANES
+    and the sources' own macros): what a launch's block must equal."""
     out = {}
     for file in SOURCES:
         code = source(file)
         macros = {"LANES": str(lanes)} | dict(_DEFINE.findall(code))
-
-        def value(expr: str) -> int:
-            expr = expr.strip().strip("()")
-            if "*" in expr:
-                return math.prod(value(term) for term in expr.split("*"))
-            return int(expr) if expr.isdigit() else value(macros[expr])
-
         for expr, name in _BOUNDS.findall(code):
             suffixed = f"{name}_##SUFFIX" in code
             for kernel in [f"{name}_{s}" for s in _INSTANCES.findall(code)] if suffixed else [name]:
-                out[kernel] = value(expr)
+                out[kernel] = _product(expr, macros)
     return out
 
 
