@@ -69,12 +69,21 @@ class Probe:
 def _cupy(backend: str):
     try:
         import cupy
-    except ImportError:
+    except ModuleNotFoundError as e:
+        if e.name != "cupy":
+            raise NoDevice(f"--backend {backend}: CuPy does not import ({_last_line(e)}); {INSTALL[backend]}") \
+                from None
         raise NoDevice(f"--backend {backend}: CuPy is not installed; {INSTALL[backend]}") from None
-    except Exception as e:  # a wheel for another CUDA, a missing shared library
-        raise NoDevice(f"--backend {backend}: CuPy does not import ({type(e).__name__}: {e}); "
-                       f"{INSTALL[backend]}") from None
+    except Exception as e:  # a wheel for another CUDA or ROCm, a missing shared library
+        raise NoDevice(f"--backend {backend}: CuPy does not import ({_last_line(e)}); {INSTALL[backend]}") from None
     return cupy
+
+
+def _last_line(error: BaseException) -> str:
+    """An error's gist on one line: CuPy's import failure is a framed paragraph whose last
+    line is the original error (the shared library that did not load)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip() and not line.strip().startswith("==")]
+    return lines[-1][:200] if lines else type(error).__name__
 
 
 def probe(backend: str) -> Probe:
