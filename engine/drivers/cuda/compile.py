@@ -1,5 +1,8 @@
 """Compiles the CUDA driver's kernels with NVRTC (the `cuda.bindings.nvrtc` API), with no
-device needed: the architecture is named, not probed. Importable without CuPy.
+device needed: the architecture is named, not probed. Importable without CuPy. The sources
+are shared with the HIP build (compile_hip.py): platform.h, handed to the compiler by name,
+holds what differs between the platforms; the kernels' names, signatures and launch bounds
+are read from the sources here for both.
 
 OPTIONS is the one option list, shared by the driver and the CI compile checks:
 - `-arch=sm_90`: cubin for Hopper (H100/H200), plus its compute_90 PTX. The driver loads
