@@ -20,7 +20,7 @@ from poot.engine.drivers.cuda import compile as cc
 from poot.engine.drivers.cupy_launch import Launcher, ReferenceLauncher
 
 HERE = Path(__file__).parent
-CXX = shutil.which("g++") or shutil.which("c++")
+CXX = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++-15")  # clang 15 comes with hipcc
 
 
 def _wrappers(code: str, name: str) -> str:
