@@ -29,6 +29,7 @@ from .params import InvalidRequest, SamplingParams
 from .picker import Picked, Picker
 from .plan import Plan, fit_plan
 from .prefix_cache import PrefixCache
+from .progress import Progress
 from .random_stream import RandomStream, random_stream
 from .scheduler import Scheduled, Scheduler
 from .sequence import Sequence
@@ -115,13 +116,19 @@ class Engine:
 
     @classmethod
     def create(cls, model, backend: str = "auto", draft: str | None = None, driver=None,
-               **parts) -> Engine:
-        """Fits the plan to the driver's device and prepares the driver; `parts` go to __init__."""
+               progress: Progress | None = None, **parts) -> Engine:
+        """Fits the plan to the driver's device and prepares the driver; `parts` go to __init__.
+        `progress` hears what it is doing (engine/progress.py); the driver reports there too."""
         from .drivers import make_driver
 
         driver = driver or make_driver(backend)
+        if progress is not None:
+            driver.progress = progress
+        progress = driver.progress
+        progress.report("model", f"fitting the plan to the {driver.backend} device")
         plan = fit_plan(driver.device(), model.config, driver.weight_bytes(model), model.name,
                         kv_bytes_per_token=driver.kv_bytes_per_token(model.config))
+        progress.report("compile", f"preparing the {driver.backend} driver")
         driver.prepare(plan, model)
         if products := driver.product_choice():  # measured while preparing: published with the plan
             plan = driver.plan = replace(plan, products=products)

@@ -39,7 +39,7 @@ def build_app(state: ServerState):
     async def health(request: Request) -> Response:
         engine = state.engine
         if engine is None:
-            return JSONResponse({"status": "loading"}, status_code=503)
+            return JSONResponse(state.loading_body(), status_code=503)
         h = engine.health()
         if h.status != "ok":
             return JSONResponse({"status": "dead", "cause": h.cause, "reason": h.reason}, status_code=503)

@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None =
     if not 0 <= args.step_delay <= MAX_STEP_DELAY_S:  # also refuses nan
         return fail(f"--step-delay must be between 0 and {MAX_STEP_DELAY_S} seconds")
     from .auth import ApiKeyError, RequireKey, read_key
+    from .start_line import StartLine, is_terminal
 
     try:
         api_key = read_key(args.api_key_file)
@@ -82,6 +83,11 @@ def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None =
         return fail(f"cannot load the model: {e}", 1)
 
     sys.setswitchinterval(SWITCH_INTERVAL_S)
+    # Before any logging is set up: on a terminal the log's streams are shared with the line.
+    line, console = StartLine(sys.stderr), (sys.stdout, sys.stderr)
+    sys.stderr = line.share(sys.stderr)
+    if is_terminal(sys.stdout):  # the access log, on the same screen
+        sys.stdout = line.share(sys.stdout)
     level = "DEBUG" if args.log_level == "trace" else args.log_level.upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
@@ -91,6 +97,7 @@ def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None =
     state = (state_class or ServerState)(model_spec=args.model, backend=args.backend,
                                          draft=None if args.draft == "none" else args.draft,
                                          fault_injection=args.fault_injection, step_delay=args.step_delay)
+    line.follow(state.progress)
     app = (app_factory or build_app)(state)
     if api_key:
         app = (key_guard or RequireKey)(app, api_key)
@@ -98,7 +105,10 @@ def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None =
                             lifespan="on", timeout_graceful_shutdown=5)
     server = DrainingServer(config, state)
     state.request_exit = server.exit_now
-    server.run()
+    try:
+        server.run()
+    finally:
+        sys.stdout, sys.stderr = console
     return state.exit_code
 
 

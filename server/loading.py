@@ -32,9 +32,10 @@ def precheck(spec: str | None) -> None:
         raise ModelLoadError(f"no such model file or folder: {spec}")
 
 
-def load_model(spec: str | None):
-    """Loads a model: "synthetic", "synthetic:SEED", a path, or None (the SmolLM2 default)."""
-    return _engine_load(spec)
+def load_model(spec: str | None, progress=None):
+    """Loads a model: "synthetic", "synthetic:SEED", a path, or None (the SmolLM2 default);
+    `progress` (engine/progress.py) hears what it is doing."""
+    return _engine_load(spec, progress=progress)
 
 
 def render_chat(model, messages: list[dict]) -> str:

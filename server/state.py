@@ -5,6 +5,9 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
+
+from poot.engine.progress import Progress
 
 from . import loading
 from .loop_lag import LoopLag
@@ -32,6 +35,7 @@ class ServerState:
         self.exit_code = 0
         self.request_exit = lambda: None  # set by the CLI: makes uvicorn shut down
         self.loop_lag = LoopLag()  # how late the event loop wakes (server/loop_lag.py)
+        self.progress = Progress()  # what the start is doing, until the engine is ready
 
     # ---- loading (runs on its own thread while the server already answers /health) ----
 
@@ -39,8 +43,11 @@ class ServerState:
         from poot.engine.models.base import ModelLoadError
 
         try:
-            model = loading.load_model(self.model_spec)
-            engine = self.make_engine(model)
+            # The backend is chosen (`auto` probes the machine's devices) while the model loads.
+            with ThreadPoolExecutor(1, thread_name_prefix="poot-driver") as pool:
+                driver = pool.submit(self.make_driver)
+                model = loading.load_model(self.model_spec, self.progress)
+                engine = self.make_engine(model, driver.result())
             engine.start()
         except ModelLoadError as e:
             self.fatal(f"poot-serve: cannot load the model: {e}")
@@ -53,6 +60,7 @@ class ServerState:
                 names.append(self.model_spec)
             self.model_names = tuple(names)
             self.engine = engine  # last: from here on the server is ready
+            self.progress.finish("ready")
             log.info("ready: model %s, plan %s", model.name, engine.plan.as_dict())
 
     def make_driver(self):
@@ -61,12 +69,18 @@ class ServerState:
         driver = make_driver(self.backend)
         return slowed(driver, self.step_delay) if self.step_delay > 0 else driver
 
-    def make_engine(self, model):
+    def make_engine(self, model, driver=None):
+        """The engine over `driver` (default: a new one from make_driver())."""
         from poot.engine import Engine
 
-        return Engine.create(model, draft=self.draft, driver=self.make_driver())
+        return Engine.create(model, draft=self.draft, driver=driver or self.make_driver(), progress=self.progress)
+
+    def loading_body(self) -> dict:
+        """What /health says while the engine is not ready yet: the start's current stage."""
+        return self.progress.now.as_dict()
 
     def fatal(self, line: str) -> None:
+        self.progress.finish("failed")
         print(line.replace("\n", " "), file=sys.stderr, flush=True)
         self.exit_code = 1
         self.request_exit()

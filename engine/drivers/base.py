@@ -43,6 +43,7 @@ from abc import ABC, abstractmethod
 import numpy as np
 
 from ..plan import DeviceInfo, Plan
+from ..progress import Progress
 from ..step import (
     PICK_GREEDY,
     PICK_HOST,
@@ -86,6 +87,9 @@ class Driver(ABC):
         # Every open row's block table as one (rows, blocks) host array, padded with the
         # row's first block; None until a row with blocks opens (recurrent families have none).
         self.tables: np.ndarray | None = None
+        # Where preparing and warming up say what they are doing (engine/progress.py); the
+        # engine hands its own in before prepare(). Nobody listens to this default one.
+        self.progress = Progress()
 
     @abstractmethod
     def device(self) -> DeviceInfo: ...

@@ -31,7 +31,7 @@ def warm_up(driver) -> None:
     written here is never read: a row attends only to positions its own sequence wrote first."""
     plan = driver.plan
     blocks = list(range(min(plan.blocks_for(plan.positions), plan.num_blocks))) if plan.num_blocks else []
-    for shape in warm_up_shapes(plan):
+    for shape in driver.progress.each("warm_up", "warm-up steps", warm_up_shapes(plan)):
         for row in range(len(shape)):
             driver.open_row(row, blocks)
         try:

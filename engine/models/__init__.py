@@ -51,14 +51,17 @@ def _synthetic(spec: str) -> LoadedModel:
         raise ModelLoadError(f"bad synthetic model seed {seed!r}: expected {name}:INTEGER") from None
 
 
-def load_model(spec: str | os.PathLike | None = None) -> LoadedModel:
-    """Loads a model; raises ModelLoadError with a one-line message when it cannot be served."""
+def load_model(spec: str | os.PathLike | None = None, progress=None) -> LoadedModel:
+    """Loads a model; raises ModelLoadError with a one-line message when it cannot be served.
+    `progress`: an engine.progress.Progress told what the load is doing."""
     if spec is None or spec == "default":
         from .gguf_loader import load_gguf
 
-        return load_gguf(default_model_path())
+        return load_gguf(default_model_path(), progress=progress)
     text = os.fspath(spec)
     if text.partition(":")[0] in SYNTHETIC:
+        if progress is not None:
+            progress.report("model", f"generating the {text} model")
         return _synthetic(text)
     path = Path(text).expanduser()
     if path.is_dir():
@@ -66,6 +69,8 @@ def load_model(spec: str | os.PathLike | None = None) -> LoadedModel:
             raise ModelLoadError(f"model folder has no config.json: {path}")
         from .safetensors_loader import load_safetensors
 
+        if progress is not None:
+            progress.report("model", f"reading {path.name}")
         return load_safetensors(path)
     if not path.exists():
         raise ModelLoadError(f"model not found: {text} (expected a .gguf file, a model folder, or synthetic[:SEED], synthetic-mamba[:SEED])")
@@ -77,7 +82,7 @@ def load_model(spec: str | os.PathLike | None = None) -> LoadedModel:
     if magic == b"GGUF" or path.suffix.lower() == ".gguf":
         from .gguf_loader import load_gguf
 
-        return load_gguf(path)
+        return load_gguf(path, progress=progress)
     raise ModelLoadError(f"unrecognised model file {path}: expected a GGUF file or a Hugging Face model folder")
 
 

@@ -88,6 +88,10 @@ class LoadedModel:
     chat_template: str | None = None
     special_tokens: dict[str, str] = field(default_factory=dict)  # bos_token, eos_token for templates
     source: str = ""  # path it was loaded from
+    # The exact block codes of weights (engine/models/block_codes.py) by name, where the loader
+    # knows them (the GGUF cache keeps them beside the float32 weights): every weight that has
+    # codes is named. None: nobody looked; whoever wants codes finds them from the values.
+    block_codes: dict[str, Any] | None = None
 
     def encode_prompt(self, text: str) -> list[int]:
         ids = self.tokenizer.encode(text)

@@ -92,17 +92,19 @@ def prepare(config: LlamaConfig, weights: dict[str, np.ndarray], positions: int)
     return out
 
 
-def block_codes(config: LlamaConfig, weights: dict[str, np.ndarray]) -> dict[str, tuple]:
+def block_codes(config: LlamaConfig, weights: dict[str, np.ndarray], known: dict | None = None) -> dict[str, tuple]:
     """prepare()'s product matrices as exact block codes (block_codes.find), where the loaded
     weights are block-quantized values (a GGUF's Q4_1/Q8_0 layers): {name: (BlockCodes,
     colscale or None)}. The same rows, order and Q scale as prepare(); the RMSNorm weight
     prepare() folds into the columns is colscale, for the product to apply to its input.
-    Matrices without exact codes (float32 from anywhere else) are left out."""
+    Matrices without exact codes (float32 from anywhere else) are left out. `known`: the
+    loader's codes of the weights by name (LoadedModel.block_codes), when it has them: then
+    a weight it does not name has none, and nothing is searched."""
     def rows_order(heads: int) -> np.ndarray:
         return pair_rows(np.arange(heads * config.head_dim)[:, None], heads, config.head_dim)[:, 0]
 
     def found(name: str):
-        return block_quant.find(weights[name])
+        return known.get(name) if known is not None else block_quant.find(weights[name])
 
     def norm(name: str) -> np.ndarray:
         return np.ascontiguousarray(weights[name], dtype=np.float32)
@@ -123,6 +125,6 @@ def block_codes(config: LlamaConfig, weights: dict[str, np.ndarray]) -> dict[str
         for name in ("wo", "w_down"):
             if (codes := found(p + name)) is not None:
                 out[p + name] = (codes, None)
-    if (head := block_quant.find(weights.get("lm_head", weights["embed"]))) is not None:
+    if (head := found("lm_head" if "lm_head" in weights else "embed")) is not None:
         out["lm_head"] = (head, None)
     return out

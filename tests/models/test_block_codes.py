@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from poot.engine.models import block_codes
 
@@ -45,6 +47,71 @@ def test_float32_weights_have_no_codes():
     rng = np.random.default_rng(1)
     assert block_codes.find(rng.standard_normal((8, 64)).astype(np.float32)) is None
     assert block_codes.find(np.ascontiguousarray(_q4_1(rng, 8, 64)[:, :48])) is None  # not whole blocks
+
+
+def _reference_find(w: np.ndarray):
+    """find() as whole-matrix passes, the definition written out: the affine form, else the
+    symmetric one, each checked on every weight."""
+    if w.ndim != 2 or w.dtype != np.float32 or w.shape[1] % 32 or not np.all(np.isfinite(w)):
+        return None
+    b = w.reshape(w.shape[0], -1, 32)
+    lo, hi = b.min(axis=2), b.max(axis=2)
+    half = block_codes._half
+    for d, m, low, high, dtype in ((half((hi - lo) / np.float32(15)), lo, 0, 15, np.uint8),
+                                   (half(np.maximum(-lo, hi) / np.float32(127)), np.zeros_like(lo), -127, 127, np.int8)):
+        q = np.rint((b - m[:, :, None]) / np.where(d == 0, np.float32(1), d)[:, :, None])
+        if q.min() >= low and q.max() <= high and np.array_equal(q * d[:, :, None] + m[:, :, None], b):
+            return q.astype(dtype).reshape(w.shape), d, m
+    return None
+
+
+def _same_as_reference(w: np.ndarray) -> None:
+    found, want = block_codes.find(w), _reference_find(w)
+    assert (found is None) == (want is None)
+    if found is not None:
+        for got, expected in zip((found.codes, found.d, found.m), want, strict=True):
+            assert got.dtype == expected.dtype and np.array_equal(got, expected)
+        assert np.array_equal(found.values(), w)
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 40), blocks=st.integers(1, 6), form=st.sampled_from(["q4_1", "q8_0", "float"]),
+       run=st.sampled_from([32, 64, 200, 1 << 16]), seed=st.integers(0, 2**32 - 1), spoil=st.booleans())
+def test_find_gives_the_bits_of_whole_matrix_passes_whatever_the_runs(rows, blocks, form, run, seed, spoil):
+    """Worked through in runs of rows (RUN_WEIGHTS), find() gives the very codes, scales and
+    minimums of the passes over the whole matrix, and refuses what they refuse: a matrix
+    spoiled in one weight of its last row, whichever run that falls in."""
+    rng = np.random.default_rng(seed)
+    cols = 32 * blocks
+    if form == "q4_1":
+        w = _q4_1(rng, rows, cols)
+    elif form == "q8_0":
+        d = rng.uniform(0.001, 0.1, (rows, blocks)).astype(np.float16).astype(np.float32)
+        q = rng.integers(-127, 128, (rows, blocks, 32)).astype(np.float32)
+        q[:, :, 0] = 127
+        w = (q * d[:, :, None]).reshape(rows, cols)
+    else:
+        w = rng.standard_normal((rows, cols)).astype(np.float32)
+    if spoil:
+        w[-1, -1] = np.nextafter(w[-1, -1], np.float32(np.inf))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(block_codes, "RUN_WEIGHTS", run)
+        _same_as_reference(w)
+
+
+def test_values_are_the_codes_times_d_plus_m_in_float32():
+    rng = np.random.default_rng(5)
+    for codes in (block_codes.find(_q4_1(rng, 70, 2048)), block_codes.find(_q4_1(rng, 3, 32))):
+        q = codes.codes.reshape(codes.codes.shape[0], -1, 32).astype(np.float32)
+        want = (q * codes.d[:, :, None] + codes.m[:, :, None]).reshape(codes.codes.shape)
+        assert np.array_equal(codes.values(), want) and codes.values().dtype == np.float32
+
+
+@pytest.mark.realmodel
+def test_smollm2_codes_are_the_bits_of_whole_matrix_passes(smollm2):
+    for w in smollm2.weights.values():
+        if w.ndim == 2:
+            _same_as_reference(w)
 
 
 def test_block_product_matches_float32_product():

@@ -330,3 +330,63 @@ def test_cache_defaults_follow_size_and_poot_no_cache(tmp_path, monkeypatch):
     monkeypatch.delenv("POOT_NO_CACHE")
     load_gguf(path)
     assert len(list((tmp_path / "env-cache" / "gguf").glob("*/weights.safetensors"))) == 1
+
+
+def _codes_equal(a, b) -> bool:
+    return all(getattr(a, p).dtype == getattr(b, p).dtype and np.array_equal(getattr(a, p), getattr(b, p))
+               for p in ("codes", "d", "m"))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.F32])
+def test_the_cache_keeps_the_block_codes_beside_the_weights(tmp_path, monkeypatch, qtype):
+    """The codes a load from the cache hands on are the ones block_codes.find gives for its
+    weights, every weight that has codes is named, and the family's product codes built from
+    them are the ones built by searching."""
+    from poot.engine.models import block_codes, llama
+
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, seed=5, qtype=qtype)
+    cache = tmp_path / "cache"
+    first = load_gguf(path, cache=True, cache_dir=cache)
+    monkeypatch.setattr(gguf_loader, "open_reader", lambda *a, **k: pytest.fail("the cache was not used"))
+    monkeypatch.setattr(block_codes, "find", lambda w: pytest.fail("codes were searched for"))
+    second = load_gguf(path, cache=True, cache_dir=cache)
+    monkeypatch.undo()
+    searched = {name: c for name, w in second.weights.items() if (c := block_codes.find(w)) is not None}
+    assert bool(searched) == (qtype != Q.F32)
+    for model in (first, second):
+        assert set(model.block_codes) == set(searched)
+        assert all(_codes_equal(model.block_codes[n], c) for n, c in searched.items())
+    known = llama.block_codes(second.config, second.weights, second.block_codes)
+    found = llama.block_codes(second.config, second.weights)
+    assert set(known) == set(found)
+    for name, (codes, scale) in found.items():
+        assert _codes_equal(known[name][0], codes), name
+        assert (scale is None) == (known[name][1] is None) and (scale is None or np.array_equal(scale, known[name][1]))
+
+
+def test_a_corrupt_codes_file_is_ignored_with_one_log_line(tmp_path, caplog):
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, seed=6, qtype=Q.Q8_0)
+    cache = tmp_path / "cache"
+    want = load_gguf(path, cache=True, cache_dir=cache)
+    (codes,) = cache.rglob("codes.safetensors")
+    codes.write_bytes(codes.read_bytes()[:100])
+    with caplog.at_level("WARNING"):
+        model = load_gguf(path, cache=True, cache_dir=cache)
+    assert [r.levelname for r in caplog.records] == ["WARNING"] and "ignoring" in caplog.records[0].getMessage()
+    assert set(model.block_codes) == set(want.block_codes) and model.block_codes
+    assert load_gguf(path, cache=True, cache_dir=cache).block_codes.keys() == want.block_codes.keys()  # rewritten
+
+
+def test_a_load_reports_its_progress(tmp_path):
+    from poot.engine.progress import Progress
+
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, seed=7, qtype=Q.Q8_0)
+    for expected in ("dequantizing tiny.gguf", "reading the cached weights of tiny.gguf"):
+        progress, seen = Progress(), []
+        progress.listen(seen.append)
+        load_gguf(path, cache=True, cache_dir=tmp_path / "cache", progress=progress)
+        assert {s.phase for s in seen} == {"model"}
+        assert any(s.detail.startswith(expected) for s in seen), [s.detail for s in seen]

@@ -78,8 +78,9 @@ def state_class(parts: dict[str, list]) -> type[ServerState]:
             d = driver()
             return slowed(d, self.step_delay) if self.step_delay > 0 else d
 
-        def make_engine(self, model):
-            return engine.create(model, draft=self.draft, driver=self.make_driver(), **engine_parts)
+        def make_engine(self, model, driver=None):
+            return engine.create(model, draft=self.draft, driver=driver or self.make_driver(),
+                                 progress=self.progress, **engine_parts)
 
     return Mutated
 

@@ -463,10 +463,17 @@ def test_loading_state_is_reported():
     from poot.server.app import build_app
     from poot.server.state import ServerState
 
-    client = TestClient(build_app(ServerState(model_spec="synthetic")))  # no lifespan: nothing loads
+    state = ServerState(model_spec="synthetic")
+    client = TestClient(build_app(state))  # no lifespan: nothing loads
     h = client.get("/health")
-    assert h.status_code == 503 and h.json() == {"status": "loading"}
+    assert h.status_code == 503
+    assert h.json() == {"status": "loading", "phase": "model", "detail": "starting", "progress": None}
     check_error(client.post("/v1/completions", json={"prompt": "x"}), 503)
+    state.progress.report("compile", "compiling CPU kernels", 2, 8)  # what the loading thread would say
+    h = client.get("/health")
+    assert h.status_code == 503
+    assert h.json() == {"status": "loading", "phase": "compile", "detail": "compiling CPU kernels (3 of 8)",
+                        "progress": 0.25}
 
 
 # ---- deliberate defects (tests/poot_mutants): what a conformance run must catch --------------
