@@ -349,8 +349,12 @@ class _CrashOnNoPrompt(Middleware):
         if scope["method"] != "POST" or scope["path"] != "/v1/completions":
             return await self.app(scope, receive, send)
         body, messages = await read_request(receive)
-        if _json_body(body).get("prompt", "") not in ("", [], None):
-            return await self.app(scope, replay(messages, receive), send)
+        try:
+            request = json.loads(body)
+        except ValueError:
+            request = None
+        if not isinstance(request, dict) or request.get("prompt", "") not in ("", [], None):
+            return await self.app(scope, replay(messages, receive), send)  # not JSON, or a prompt: served
         await self.crash()
         payload = json.dumps(_error(500, "the engine crashed on an empty prompt")).encode()
         await send({"type": "http.response.start", "status": 500,
