@@ -178,3 +178,14 @@ def test_the_trigger_is_the_first_of_the_failures_that_end_a_clause():
     sent[2].status = 502
     assert trigger_of(sent).path == "/1"
     assert trigger_of([]) is None
+
+
+@pytest.mark.slow
+def test_the_reference_server_behind_a_long_start_with_progress_is_judged(tmp_path):
+    slow = Path(__file__).resolve().parent / "slow_start_server.py"
+    command = " ".join([shlex.quote(sys.executable), shlex.quote(str(slow)), "--loading-s", "12",
+                        "--model", "synthetic", "--port", "{port}"])
+    r, report, took = run(tmp_path, "--server-cmd", command, "--startup-timeout", "5", "api/health", "api/models",
+                          timeout=400)
+    assert outcomes(report) == {"api/health/1": "passed", "api/models/1": "passed"}, r.stdout[-3000:]
+    assert "the server is starting: model" in r.stderr and took >= 12
