@@ -12,6 +12,7 @@ for a URL, are `not run`.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -59,6 +60,17 @@ class Crash:
                 "answer": self.trigger.outcome() if self.trigger else None,
                 "last_requests": [{"request": s.request_line(), "answer": s.outcome()} for s in self.last],
                 "then": self.then, "log": self.log}
+
+
+ACCESS_LINE = re.compile(r'"(?:GET|POST|PUT|PATCH|DELETE|HEAD|OPTIONS) \S+ HTTP/[\d.]+" \d{3}')
+LOG_LINES = 12
+
+
+def what_it_logged(process: ServerProcess) -> str:
+    """The last lines of the server's log that say something: access-log lines (one per request,
+    most of a dying server's log) left out."""
+    lines = [line for line in process.log_tail(400).splitlines() if not ACCESS_LINE.search(line)]
+    return "\n".join(lines[-LOG_LINES:])
 
 
 def trigger_of(sent: list[Sent]) -> Sent | None:
@@ -111,7 +123,7 @@ class Life:
             return None
         crash = Crash(clause, seen, trigger_of(sent), sent[-LAST_REQUESTS:])
         if self.process is not None:
-            crash.log = self.process.log_tail()
+            crash.log = what_it_logged(self.process)
         self.crashes.append(crash)
         self._pending = crash
         return crash

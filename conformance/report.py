@@ -56,7 +56,7 @@ class RunReport:
             if c["then"]:
                 lines.append(f"    then:  {_one_line(c['then'], 600)}")
             if c.get("log"):
-                lines += ["    its log ended:", *(f"      {line}" for line in c["log"].splitlines()[-8:])]
+                lines += ["    its log ended:", *(f"      {line}" for line in c["log"].splitlines())]
         return [*lines, ""]
 
     @property
