@@ -3,9 +3,11 @@ stopped and the request that did it, and a fresh server where the suite can star
 
 As web-platform-tests restarts a browser that crashed and Autobahn isolates each case: after
 every clause the suite looks at the server under test (its process, where the suite started
-it; /health, or /v1/models where /health answers 404; and, after a clause whose own requests
-got a 5xx or no answer, one small completion). A clause during which it died or stopped
-serving is `crashed`, and names its last requests and what came back. The clauses after it run
+it; /health, or /v1/models where /health does not answer; and, after a clause whose own
+requests got a 5xx or no answer, one small completion), each sign used only where it was good
+when the run began: a crash is a change, not a server that never answered /health. A clause
+during which it died or stopped serving is `crashed`, and names its last requests and what
+came back. The clauses after it run
 on a fresh server (from the command, or the bundled one, started again on the same port) or,
 for a URL, are `not run`.
 """
@@ -100,6 +102,8 @@ class Life:
         self.down: str | None = None  # while set, every clause is not run, for this reason
         self._pending: Crash | None = None  # a crash whose fresh server is started before the next clause
         self._mark = journal.mark()
+        self.watch = self._watched_path()
+        self.completes = self._completion_status() is not None  # a completion is served now: a 5xx later is news
 
     # ---- around each clause ---------------------------------------------------------------------
 
@@ -145,20 +149,41 @@ class Life:
                 return seen
         return seen
 
+    def _watched_path(self) -> str | None:
+        """What tells, for this server, that it serves: /health where it answers (not 404, not
+        5xx) at the start, else /v1/models where that does; a server that answers neither is
+        watched through its process and refused connections only. A crash is a change."""
+        headers = auth_headers(api_key_from_env())
+        for path in ("/health", "/v1/models"):
+            try:
+                status = httpx.get(self.url + path, timeout=LOOK_TIMEOUT_S, headers=headers).status_code
+            except httpx.HTTPError:
+                continue
+            if status != 404 and status < 500:
+                return path
+        return None
+
+    def _completion_status(self) -> int | None:
+        """A one-token completion's status, None when it got no answer or a 5xx."""
+        try:
+            r = httpx.post(self.url + "/v1/completions", timeout=LOOK_TIMEOUT_S * 3,
+                           headers=auth_headers(api_key_from_env()),
+                           json={"model": self.model(), "prompt": "Hello", "max_tokens": 1})
+        except httpx.HTTPError:
+            return None
+        return r.status_code if r.status_code < 500 else None
+
     def _look(self, probe: bool) -> str | None:
         code = self.process.proc.poll() if self.process is not None else None
         if code is not None:
             return f"its process exited with status {code}"
         headers = auth_headers(api_key_from_env())
+        path = self.watch or "/v1/models"
         try:
-            path = "/health"
             r = httpx.get(self.url + path, timeout=LOOK_TIMEOUT_S, headers=headers)
-            if r.status_code == 404:
-                path = "/v1/models"
-                r = httpx.get(self.url + path, timeout=LOOK_TIMEOUT_S, headers=headers)
-            if r.status_code >= 500:
+            if r.status_code >= 500 and self.watch is not None:
                 return f"{path} answered {r.status_code} {' '.join(r.text.split())[:200]}"
-            if probe:
+            if probe and self.completes:
                 path = "a one-token completion"
                 r = httpx.post(self.url + "/v1/completions", timeout=LOOK_TIMEOUT_S * 3, headers=headers,
                                json={"model": self.model(), "prompt": "Hello", "max_tokens": 1})
