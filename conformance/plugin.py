@@ -79,6 +79,9 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "clause(*ids): the spec clauses a conformance test checks")
     config.addinivalue_line("markers", "disruptive: may leave the shared server unusable; runs last")
     config.stash[STATE] = RunState(load_spec())
+    command = config.getoption("poot_server_cmd", None)
+    if command and "{port}" not in command and not config.getoption("poot_base_url", None):
+        raise pytest.UsageError("--server-cmd needs a {port} placeholder, or --base-url to say where it listens")
     if path := config.getoption("poot_expectations", None):
         try:  # read now, not after a run that may last half an hour
             expectations.load(path)

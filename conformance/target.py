@@ -80,19 +80,19 @@ def wait_ready(url: str, timeout: float, exited: Callable[[], int | None] = lamb
     server last answered."""
     started = news = time.monotonic()
     headers = auth_headers(api_key_from_env())
-    last_body, last_seen = None, "nothing (no connection)"
+    last_body, last_seen = None, "nothing yet"
     while True:
         code = exited()
         if code is not None:
             raise ServerStartError(f"the server exited with status {code} before it was ready "
-                                   f"(it last answered {last_seen})")
+                                   f"(last seen: {last_seen})")
         try:
             r = httpx.get(url + "/health", timeout=2.0, headers=headers)
             if r.status_code == 200:
                 return
             if r.status_code == 404 and httpx.get(url + "/v1/models", timeout=2.0, headers=headers).status_code == 200:
                 return
-            last_seen = f"/health {r.status_code} {' '.join(r.text.split())[:300]}"
+            last_seen = f"/health answered {r.status_code} {' '.join(r.text.split())[:300]}"
             body = loading_body(r.status_code, r.text)
             if body is not None and body != last_body:
                 last_body, news = body, time.monotonic()
@@ -103,10 +103,10 @@ def wait_ready(url: str, timeout: float, exited: Callable[[], int | None] = lamb
         now = time.monotonic()
         if now - news > timeout:
             said = "reported no progress" if last_body is not None else "was not ready"
-            raise ServerStartError(f"the server {said} for {timeout:.0f} s (it last answered {last_seen})")
+            raise ServerStartError(f"the server {said} for {timeout:.0f} s (last seen: {last_seen})")
         if now - started > max(cap, timeout):
             raise ServerStartError(f"the server was still starting after {max(cap, timeout):.0f} s "
-                                   f"(it last answered {last_seen})")
+                                   f"(last seen: {last_seen})")
         time.sleep(0.05)
 
 

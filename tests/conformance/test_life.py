@@ -92,6 +92,11 @@ def test_a_server_that_never_gets_ready_is_reported_once_and_nothing_is_run(tmp_
     assert took < 60  # within the startup timeout and a few seconds, not the default 60 s per clause
 
 
+def test_a_command_without_a_port_is_a_usage_error_said_once():
+    r = subprocess.run(CLI + ["--server-cmd", "sleep 600"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 4 and r.stdout.count("{port}") + r.stderr.count("{port}") == 1, r.stdout + r.stderr
+
+
 def test_a_command_that_exits_at_once_is_reported_with_its_log(tmp_path):
     command = f"{shlex.quote(sys.executable)} -c 'import sys; print(\"no model here\"); sys.exit(3)' {{port}}"
     r, report, took = run(tmp_path, "--server-cmd", command, *SCOPE)
