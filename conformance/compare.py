@@ -50,7 +50,7 @@ def matrix(reports: list[dict], names: list[str]) -> str:
                 order.append(c["id"])
         cells.append(by_id)
     lines = ["| clause | title | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
-    notes: list[str] = []
+    notes: dict[tuple[str, str], list[str]] = {}  # (server, reason) -> its clauses: one note per reason
     for cid in order:
         row = []
         for name, by_id in zip(names, cells, strict=True):
@@ -60,8 +60,9 @@ def matrix(reports: list[dict], names: list[str]) -> str:
                 continue
             mark = MARKS.get(c["outcome"], c["outcome"])
             if c["outcome"] != "passed" and c.get("why"):
-                notes.append(f"{len(notes) + 1}. `{cid}` on {name}: {_short(c['why'], 300)}")
-                mark += f" [{len(notes)}]"
+                clauses = notes.setdefault((name, _short(c["why"], 300)), [])
+                clauses.append(cid)
+                mark += f" [{list(notes).index((name, _short(c['why'], 300))) + 1}]"
             row.append(mark)
         lines.append(f"| `{cid}` | {_short(titles[cid], 80)} | " + " | ".join(row) + " |")
     totals = []
@@ -79,7 +80,9 @@ def matrix(reports: list[dict], names: list[str]) -> str:
         lines.append("| | run took | " + " | ".join(_minutes(r.get("duration_s")) for r in reports) + " |")
     out = "\n".join(lines)
     if notes:
-        out += "\n\n" + "\n".join(notes)
+        out += "\n\n" + "\n".join(
+            f"{i}. `{clauses[0]}` on {name}: {why}" if len(clauses) == 1 else f"{i}. on {name}, {len(clauses)} clauses: {why}"
+            for i, ((name, why), clauses) in enumerate(notes.items(), 1))
     return out + "\n"
 
 

@@ -69,7 +69,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     g.addoption("--poot-recurrent-server-cmd", help="command that starts the server with a recurrent-state model")
     g.addoption("--poot-speculative-server-cmd", help="command that starts the server with speculative decoding")
     g.addoption("--poot-examples", type=int, default=25, help="examples per property test")
-    g.addoption("--poot-startup-timeout", type=float, default=60.0, help="seconds to wait for /health 200")
+    g.addoption("--poot-startup-timeout", type=float, default=60.0,
+                help="seconds a starting server may go without being ready or reporting new progress")
     g.addoption("--poot-expectations", help="expectations file: the run succeeds when every result matches it")
     g.addoption("--poot-write-expectations", help="write the run's results here as an expectations baseline")
     g.addoption("--poot-report", action="store_true", help="print the per-clause listing (on by default in poot-conformance)")

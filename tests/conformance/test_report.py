@@ -135,3 +135,14 @@ def test_expectations_and_compare_know_the_new_outcomes(tmp_path):
     assert "| `api/errors/2` | Invalid or missing parameters get 400 | **crashed** [1] | - |" in table
     assert "not run [2]" in table and "1 crashed, 1 not run" in table
     assert "| | server stopped serving | 1x: `api/errors/2` | - |" in table
+
+
+def test_compare_gives_one_note_per_reason_of_a_server():
+    from poot.conformance import compare
+
+    spec = load_spec()
+    report = RunReport([ClauseResult(spec[c], Outcome.NOT_RUN, "not run: the server stopped serving at api/errors/2")
+                        for c in ("api/errors/3", "api/errors/4", "api/errors/5")], crashes=[CRASH])
+    table = compare.matrix([json.loads(to_json(report))], ["x"])
+    assert table.count("not run [1]") == 3
+    assert "1. on x, 3 clauses: not run: the server stopped serving at api/errors/2" in table
