@@ -2,14 +2,14 @@
 a start that reports loading, and a crash on a completion request without a prompt.
 
     python tests/conformance/stub_server.py --port PORT [--loading-s S] [--no-progress]
-                                            [--on-no-prompt die|exit]
+                                            [--on-no-prompt die|exit] [--health-stays-ok]
 
 It answers /health, /v1/models, a completion with a prompt (a fixed text), 400 for any other
 bad request, 404 for unknown paths. `--loading-s S`: for its first S seconds every request
 gets 503 with poot-serve's loading body, its progress moving (or, with --no-progress, the
 same body throughout, as llama.cpp's). `--on-no-prompt die`: from a completion without a
-prompt on, every request gets 503 (as a server whose batching worker died); `exit`: the
-process exits at once.
+prompt on, every request gets 503 (as a server whose batching worker died; with
+--health-stays-ok, all but /health, which still answers 200); `exit`: the process exits at once.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ class Handler(BaseHTTPRequestHandler):
             detail = "loading" if progress is None else f"step {int(elapsed)} of {int(self.options.loading_s)}"
             self.send(503, {"status": "loading", "phase": "compile", "detail": detail, "progress": progress})
             return True
-        if Handler.dead:
+        if Handler.dead and not (self.path == "/health" and self.options.health_stays_ok):
             self.send(503, error("the batching worker is dead and can't take requests", "server_error"))
             return True
         return False
@@ -99,6 +99,7 @@ def main() -> None:
     p.add_argument("--loading-s", type=float, default=0.0)
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--on-no-prompt", choices=("refuse", "die", "exit"), default="refuse")
+    p.add_argument("--health-stays-ok", action="store_true")
     Handler.options = p.parse_args()
     print(f"stub server on port {Handler.options.port}", flush=True)
     ThreadingHTTPServer(("127.0.0.1", Handler.options.port), Handler).serve_forever()

@@ -148,6 +148,12 @@ def test_with_a_url_the_clauses_after_a_crash_are_not_run(tmp_path, mode):
     assert r.returncode == 1
 
 
+def test_a_server_whose_health_says_ok_while_every_request_fails_is_seen_to_crash(tmp_path):
+    r, report, _ = run(tmp_path, "--server-cmd", stub("--on-no-prompt", "die", "--health-stays-ok"), *SCOPE)
+    assert outcomes(report) == {"api/models/1": "passed", "api/errors/2": "crashed", "api/errors/5": "passed"}
+    assert report["crashes"][0]["seen"].startswith("a one-token completion answered 503"), report["crashes"]
+
+
 def test_a_server_that_keeps_serving_after_5xx_answers_is_not_crashed(tmp_path):
     """The stub's plain mode answers the bad requests with 400 or 200, and serves on: no crash."""
     r, report, _ = run(tmp_path, "--server-cmd", stub(), *SCOPE)
