@@ -4,8 +4,8 @@
 The walk through a program costs a one-row step of SmolLM2 some 270 trips from Python into
 compiled code (nine ops a layer, each through a few Python frames): about 1.3 of its 6 ms on
 a 2-core Xeon, where its products take 3.7. A program whose layers are all the Llama layer
-(engine/models/llama.py: the nine ops, in that order, on those buffers) with every product
-on block codes runs them in one call instead, for the token counts where every layer
+(engine/models/llama.py's `llama_layer` op, engine/ops.py) with every product on block codes
+runs them in one call instead, for the token counts where every layer
 product's measured choice is the integer path (cpu_product_choice), which that call takes.
 Anything else, and every other token count, walks the ops as before.
 """
@@ -14,47 +14,25 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..ops import Op, Program
+from ..ops import Program
 from . import huge_pages
 
-# One Llama layer as its program gives it (weights by role, the layer's paged ops by layer).
-LAYER = (
-    ("rms_norm", ("x",), "h", 0),
-    ("matmul", ("h",), "qkv", 1),
-    ("rope_kv_write", ("qkv",), "q", 1),
-    ("paged_attention", ("q",), "att", 0),
-    ("matmul_add", ("att",), "x", 1),
-    ("rms_norm", ("x",), "h", 0),
-    ("matmul", ("h",), "gu", 1),
-    ("silu_mul", ("gu",), "act", 0),
-    ("matmul_add", ("act",), "x", 1),
-)
-_PRODUCTS = (1, 4, 6, 8)  # the layer's products, in the order decoder_layers takes them
-
-
-def _is_layer(ops: tuple[Op, ...], layer: int) -> bool:
-    return all((op.name, op.reads, op.writes, len(op.weights)) == shape
-               and (op.name not in ("rope_kv_write", "paged_attention") or op.layer == layer)
-               for op, shape in zip(ops, LAYER, strict=True))
+PRODUCTS = ("matmul", "matmul_add")  # the layer's parts decoder_layers takes as products, in order
 
 
 def layer_span(program: Program) -> tuple[int, int, int] | None:
-    """(first op, end op, layers) of the program's run of Llama layers, layer i's cache being
-    layer i's, when its layers are exactly that run; else None."""
+    """(first op, end op, layers) of the program's run of llama_layer ops, layer i's cache being
+    layer i's, when every llama_layer op is in that run; else None."""
     ops = program.ops
-    first = next((i for i, op in enumerate(ops) if op.name == LAYER[0][0]), None)
+    first = next((i for i, op in enumerate(ops) if op.name == "llama_layer"), None)
     if first is None:
         return None
-    layers = 0
-    while first + (layers + 1) * len(LAYER) <= len(ops) and \
-            _is_layer(ops[first + layers * len(LAYER): first + (layers + 1) * len(LAYER)], layers):
-        layers += 1
-    end = first + layers * len(LAYER)
-    rest = ops[:first] + ops[end:]
-    if not layers or any(op.name in ("rms_norm", "matmul", "matmul_add", "rope_kv_write", "paged_attention",
-                                     "silu_mul") for op in rest):
+    end = first
+    while end < len(ops) and ops[end].name == "llama_layer" and ops[end].layer == end - first:
+        end += 1
+    if any(op.name == "llama_layer" for op in ops[end:]):
         return None
-    return first, end, layers
+    return first, end, end - first
 
 
 class DecoderStack:
@@ -122,19 +100,18 @@ def decoder_stack(program: Program, weights: dict, kernels, pool: np.ndarray | N
         return None
     first, end, _ = span
     products = []
-    for i in _product_ops(first, end):
-        block = kernels.block_product(weights[program.ops[i].weights[0]])
-        if block is None or "int8" not in block.paths or block.head:
-            return None
-        products.append(block)
+    for op in program.ops[first:end]:
+        names = [part.weights[0] for part in op.parts if part.name in PRODUCTS]
+        if len(names) != 4:  # the kernel computes the layer its parts gave when it was written
+            raise ValueError(f"layer {op.layer}'s llama_layer op has {len(names)} products; decoder_layers takes 4")
+        products += [kernels.block_product(weights[name]) for name in names]
+    if any(block is None or "int8" not in block.paths or block.head for block in products):
+        return None
     kinds = [{tuple((a.dtype, a.shape) for a in (p.kernel_codes, *p.scales, *p.lane_scales, p.order, p.colscale))
              for p in products[role::4]} for role in range(4)]
     same_order = all(np.array_equal(p.order, products[role].order) for role in range(4) for p in products[role::4])
-    layers = sorted({op.layer for op in program.ops[first:end] if op.layer >= 0})
+    layers = [op.layer for op in program.ops[first:end]]
     if any(len(k) != 1 for k in kinds) or not same_order or layers != list(range(len(pool))):
         return None
     return DecoderStack(span, products, pool, program.eps, program.dims["heads"])
 
-
-def _product_ops(first: int, end: int) -> list[int]:
-    return [first + k * len(LAYER) + j for k in range((end - first) // len(LAYER)) for j in _PRODUCTS]

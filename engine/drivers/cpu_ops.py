@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..ops import Program
+from ..ops import Program, unfused
 from .cpu_attention import StepLayout, attention, rms_scale
 
 
@@ -35,9 +35,13 @@ class ArrayOps:
         layout for the paged ops); returns the logits, (L, vocab) float32."""
         self.begin(step, layout)
         b: dict[str, np.ndarray] = {}
-        for op in self.program.ops:
-            getattr(self, op.name)(op, b)
+        self.walk(self.program.ops, b)
         return b["logits"]
+
+    def walk(self, ops, b: dict) -> None:
+        """Runs `ops` in order, a fused op as its parts."""
+        for op in unfused(ops):
+            getattr(self, op.name)(op, b)
 
     def begin(self, step, layout: StepLayout | None) -> None:
         self.step, self.layout = step, layout
@@ -194,11 +198,9 @@ class KernelOps(ArrayOps):
         self.begin(step, layout)
         b: dict[str, np.ndarray] = {}
         ops = self.program.ops
-        for op in ops[: stack.first]:
-            getattr(self, op.name)(op, b)
+        self.walk(ops[: stack.first], b)
         self.kernels.run_layers(stack, b["x"], self._rope_f, layout)
-        for op in ops[stack.end :]:
-            getattr(self, op.name)(op, b)
+        self.walk(ops[stack.end :], b)
         return b["logits"]
 
     def begin(self, step, layout: StepLayout | None) -> None:

@@ -125,8 +125,9 @@ class NumpyDriver(Driver):
         if self._want_kernels and cpu_kernels.available():
             for _ in range(cpu_kernels.compile()):
                 self._built()
-            products = {w for op in program.ops if op.name in ("matmul", "matmul_add") for w in op.weights}
-            head = [self.weights[w] for op in program.ops if op.name == "head" for w in op.weights]
+            parts = program.unfused().ops
+            products = {w for op in parts if op.name in ("matmul", "matmul_add") for w in op.weights}
+            head = [self.weights[w] for op in parts if op.name == "head" for w in op.weights]
             # Packing the weights for MKL is part of preparing them, not a compile of its own.
             codes = [(self.weights[name], c, scale) for name, (c, scale) in self._block_codes(model).items()]
             self.kernels = cpu_kernels.Kernels([self.weights[w] for w in sorted(products)], use_mkl=self._want_mkl,

@@ -136,7 +136,7 @@ class WgpuDriver(WgpuOps, Driver):
     def prepare(self, plan: Plan, model) -> None:
         c = model.config
         fam = family(c)
-        self.program = program = fam.program(c)
+        self.program = program = fam.program(c).unfused()  # fused ops as their parts
         self.weights = fam.prepare(c, model.weights, plan.positions)
         self.plan = plan
         dev, wgpu = self.device_, self.wgpu

@@ -1,5 +1,5 @@
 """The CPU driver's decoder stack (engine/drivers/cpu_layers.py, cpu_layer_kernels.py): a
-program's Llama layers in one compiled call. It changes how a step is run, never what: the
+program's Llama layers (its llama_layer ops) in one compiled call. It changes how a step is run, never what: the
 same logits and the same KV cache, bit for bit, as the op-by-op walk, for any mix of rows."""
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from poot.engine.drivers.base import RowWork
 from poot.engine.drivers.numpy_driver import NumpyDriver
 from poot.engine.models import family
 from poot.engine.models.synthetic import synthetic_llama, synthetic_mamba
-from poot.engine.ops import Op
 from poot.engine.plan import fit_plan
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.int8_supported(),
@@ -54,21 +53,37 @@ def test_the_stack_is_built_for_a_block_coded_llama_only(model, pair):
     assert _driver(synthetic_mamba(1), True, every_count=False).stack is None, "not the Llama layer"
 
 
-def test_layer_span_takes_only_a_program_of_whole_llama_layers(model):
-    from poot.engine.drivers.cpu_layers import LAYER, layer_span
+def test_the_stack_takes_the_llama_layer_ops_the_program_names(model):
+    from poot.engine.drivers.cpu_layers import layer_span
 
     program = family(model.config).program(model.config)
     layers = model.config.num_layers
-    assert layer_span(program) == (1, 1 + layers * len(LAYER), layers)
+    assert layer_span(program) == (1, 1 + layers, layers)
+    assert layer_span(program.unfused()) is None, "the parts alone are not the op"
     ops = list(program.ops)
     swapped = ops[:]
-    swapped[2], swapped[3] = swapped[3], swapped[2]  # attention before the KV write
+    swapped[1], swapped[2] = ops[2], ops[1]  # layer 1 first: layer i is not the pool's entry i
     assert layer_span(dataclasses.replace(program, ops=tuple(swapped))) is None
-    wrong_cache = ops[:]
-    wrong_cache[3] = dataclasses.replace(ops[3], layer=1)  # layer 0 attends layer 1's cache
-    assert layer_span(dataclasses.replace(program, ops=tuple(wrong_cache))) is None
-    extra = ops[:-2] + [Op("rms_norm", ("x",), "h")] + ops[-2:]  # a norm outside any layer
-    assert layer_span(dataclasses.replace(program, ops=tuple(extra))) is None
+
+
+def test_a_layer_edited_inside_its_op_keeps_the_stack_and_differs_from_its_parts(model, monkeypatch):
+    """The stack runs the op the program names, whatever its parts say: an edit to the parts
+    does not quietly send every step to the walk, and the walk's logits tell the two apart."""
+    from poot.engine.models import llama
+
+    program = llama.program
+
+    def edited(config):
+        p = program(config)
+        first = p.ops[1]
+        parts = first.parts[:5] + first.parts[6:]  # layer 0's second norm left out
+        return dataclasses.replace(p, ops=(p.ops[0], dataclasses.replace(first, parts=parts), *p.ops[2:]))
+
+    monkeypatch.setattr(llama, "program", edited)
+    stacked, walked = _driver(model, True), _driver(model, False)
+    assert stacked.stack is not None
+    ours, theirs = _feed(stacked, [0], [[(0, [1, 2, 3])]]), _feed(walked, [0], [[(0, [1, 2, 3])]])
+    assert not np.array_equal(ours[0], theirs[0])
 
 
 def _feed(driver, rows, steps):
