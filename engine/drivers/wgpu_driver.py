@@ -31,7 +31,7 @@ from ..plan import DeviceInfo, Plan
 from ..step import PICK_WORDS, RowWork, StepArrays, StepOutput, host_logits, marked_rows
 from . import wgsl
 from .base import Driver
-from .numpy_driver import host_memory_bytes
+from .cpu.platform.host import host_memory_bytes
 from .wgpu_ops import (
     KERNEL,
     MATMUL_LAYOUT,

@@ -1,12 +1,12 @@
 """When the CPU driver runs a program's decoder layers as one compiled call
-(cpu_layer_kernels.decoder_layers) instead of op by op.
+(kernels/decoder.py's decoder_layers) instead of op by op.
 
 The walk through a program costs a one-row step of SmolLM2 some 270 trips from Python into
 compiled code (nine ops a layer, each through a few Python frames): about 1.3 of its 6 ms on
 a 2-core Xeon, where its products take 3.7. A program whose layers are all the Llama layer
 (engine/models/llama.py's `llama_layer` op, engine/ops.py) with every product on block codes
 runs them in one call instead, for the token counts where every layer
-product's measured choice is the integer path (cpu_product_choice), which that call takes.
+product's measured choice is the integer path (products/choice.py), which that call takes.
 Anything else, and every other token count, walks the ops as before.
 """
 
@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..ops import Program
-from . import huge_pages
+from ...ops import Program
+from .platform import huge_pages
+from .products import ModelProducts
+from .products.vnni import VnniPath
+from .runtime import Runtime
 
 PRODUCTS = ("matmul", "matmul_add")  # the layer's parts decoder_layers takes as products, in order
 
@@ -36,21 +39,21 @@ def layer_span(program: Program) -> tuple[int, int, int] | None:
 
 
 class DecoderStack:
-    """A program's Llama layers on block codes, ready for cpu_layer_kernels: each role's
+    """A program's Llama layers on block codes, ready for kernels/decoder.py: each role's
     products (QKV, output, gate/up, down) with their integer-path arrays stacked over the
     layers, and every layer's cache in one pool, so a step passes a few dozen arrays whatever
     the depth. The products keep running alone on views of the stacks (no second copy).
-    `products`: the BlockProducts, four a layer; `pool` (layers, ...): the caches."""
+    `products`: the Products, four a layer; `pool` (layers, ...): the caches."""
 
-    def __init__(self, span: tuple[int, int, int], products: list, pool: np.ndarray, eps: float, heads: int):
-        from . import cpu_layer_kernels
-
+    def __init__(self, span: tuple[int, int, int], products: list, pool: np.ndarray, eps: float, heads: int,
+                 runtime: Runtime):
         self.first, self.end, self.layers = span
         self.products = products
         self.pool = pool
         self.eps, self.heads = np.float32(eps), heads
-        self.kernel = cpu_layer_kernels.decoder_layers
-        self.roles = tuple(_stacked(products[role::4]) for role in range(4))
+        self.runtime = runtime
+        self.kernel = runtime.kernels.decoder.decoder_layers
+        self.roles = tuple(_stacked([p.path(VnniPath.name) for p in products[role::4]]) for role in range(4))
         self.smallest = min(p.shape[0] * p.shape[1] for p in products)  # a token's work in the least product
         self._takes: dict[int, bool] = {}  # by token count: asked every step, fixed once the choice is made
 
@@ -59,59 +62,59 @@ class DecoderStack:
         path for that many."""
         taken = self._takes.get(tokens)
         if taken is None:
-            taken = self._takes[tokens] = all(p.path_for(tokens) == "int8" for p in self.products)
+            taken = self._takes[tokens] = all(p.path_for(tokens) == VnniPath.name for p in self.products)
         return taken
 
-    def run(self, x: np.ndarray, rope: np.ndarray, layout, threads: int) -> None:
-        """Every layer over the step, x (hidden, T) updated in place, on `threads` (numba's
-        thread count, as set)."""
+    def run(self, x: np.ndarray, rope: np.ndarray, layout) -> None:
+        """Every layer over the step, x (hidden, T) updated in place, on numba's threads as the
+        layers' products would run alone (the smallest decides: the glue and attention between
+        them go along)."""
+        self.runtime.set_threads_for(self.smallest * x.shape[1])
         self.kernel(x, *self.roles, self.pool, rope, layout.write_block, layout.write_offset, layout.paged_tables,
-                    layout.paged_table_of, layout.paged_lengths, self.eps, self.heads, threads)
-
-    def specializations(self) -> int:
-        return len(self.kernel.signatures)
+                    layout.paged_table_of, layout.paged_lengths, self.eps, self.heads, self.runtime.threads())
 
 
-def _stacked(products: list) -> tuple:
+def _stacked(paths: list[VnniPath]) -> tuple:
     """One role's integer-path arrays over the layers, (codes, d, m, dw, mw, order, colscale),
-    each product moved onto its layer's views of them."""
+    each path moved onto its layer's views of them."""
     def stack(arrays: list[np.ndarray]) -> np.ndarray:
         out = huge_pages.empty((len(arrays), *arrays[0].shape), arrays[0].dtype)
         for layer, a in enumerate(arrays):
             out[layer] = a
         return out
 
-    codes = stack([p.kernel_codes for p in products])
-    d, m = (stack([p.scales[k] for p in products]) for k in (0, 1))
-    dw, mw = (stack([p.lane_scales[k] for p in products]) for k in (0, 1))
-    colscale = stack([p.colscale for p in products])
-    for layer, p in enumerate(products):
+    codes = stack([p.codes for p in paths])
+    d, m = (stack([p.scales[k] for p in paths]) for k in (0, 1))
+    dw, mw = (stack([p.lane_scales[k] for p in paths]) for k in (0, 1))
+    colscale = stack([p.colscale for p in paths])
+    for layer, p in enumerate(paths):
         p.share(codes[layer], (d[layer], m[layer]), (dw[layer], mw[layer]), colscale[layer])
-    return codes, d, m, dw, mw, products[0].order, colscale
+    return codes, d, m, dw, mw, paths[0].order, colscale
 
 
-def decoder_stack(program: Program, weights: dict, kernels, pool: np.ndarray | None) -> DecoderStack | None:
-    """The program's DecoderStack where it has one: its layers are the Llama layer, each
-    layer's cache is the pool's entry of that index, and every layer product runs on block codes
-    with the integer path among its paths, a role's arrays of one type and shape in every layer.
+def decoder_stack(program: Program, products: ModelProducts, pool: np.ndarray | None,
+                  runtime: Runtime) -> DecoderStack | None:
+    """The program's DecoderStack where it has one: its layers are llama_layer ops, each layer's
+    cache is the pool's entry of that index, and every layer product runs on block codes with
+    the integer path among its paths, a role's arrays of one type and shape in every layer.
     Else None."""
     span = layer_span(program)
-    if span is None or pool is None or kernels is None:
+    if span is None or pool is None:
         return None
     first, end, _ = span
-    products = []
+    layer_products = []
     for op in program.ops[first:end]:
         names = [part.weights[0] for part in op.parts if part.name in PRODUCTS]
-        if len(names) != 4:  # the kernel computes the layer its parts gave when it was written
+        if len(names) != 4:  # the kernel computes the layer as its parts were when it was written
             raise ValueError(f"layer {op.layer}'s llama_layer op has {len(names)} products; decoder_layers takes 4")
-        products += [kernels.block_product(weights[name]) for name in names]
-    if any(block is None or "int8" not in block.paths or block.head for block in products):
+        layer_products += [products.get(name) for name in names]
+    if any(p is None or VnniPath.name not in p.paths or p.head for p in layer_products):
         return None
-    kinds = [{tuple((a.dtype, a.shape) for a in (p.kernel_codes, *p.scales, *p.lane_scales, p.order, p.colscale))
-             for p in products[role::4]} for role in range(4)]
-    same_order = all(np.array_equal(p.order, products[role].order) for role in range(4) for p in products[role::4])
+    paths = [p.path(VnniPath.name) for p in layer_products]
+    kinds = [{tuple((a.dtype, a.shape) for a in (p.codes, *p.scales, *p.lane_scales, p.order, p.colscale))
+             for p in paths[role::4]} for role in range(4)]
+    same_order = all(np.array_equal(p.order, paths[role].order) for role in range(4) for p in paths[role::4])
     layers = [op.layer for op in program.ops[first:end]]
     if any(len(k) != 1 for k in kinds) or not same_order or layers != list(range(len(pool))):
         return None
-    return DecoderStack(span, products, pool, program.eps, program.dims["heads"])
-
+    return DecoderStack(span, layer_products, pool, program.eps, program.dims["heads"], runtime)
