@@ -37,7 +37,8 @@ BLAS_SPIN_S = 0.1
 
 
 class KernelModules(NamedTuple):
-    """The kernel modules (kernels/), imported once the runtime has chosen numba's target."""
+    """The kernel modules (kernels/, by file name), imported once the runtime has chosen
+    numba's target."""
 
     glue: object
     few_token: object
@@ -110,6 +111,9 @@ class KernelCacheStamp:
 
 
 class Runtime:
+    """The kernels once built (`kernels`, by module), or why they could not be (`error`); the
+    CPU features they were built for; numba's thread count; OpenBLAS's spin clock."""
+
     def __init__(self, cache_stamp: KernelCacheStamp | None = None):
         self.kernels: KernelModules | None = None
         self.error: str | None = None
@@ -152,7 +156,7 @@ class Runtime:
         numba.config.THREADING_LAYER = "threadsafe"
         numba.config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]
         modules = KernelModules(*(importlib.import_module(f"{kernels_folder.__name__}.{name}")
-                                  for name in kernels_folder.MODULES))
+                                  for name in KernelModules._fields))
         stamp = self._cache_stamp or KernelCacheStamp(os.path.dirname(kernels_folder.__file__))
         for module in modules:
             for value in vars(module).values():

@@ -19,6 +19,3 @@ that called helpers as closure variables were rebuilt in every process, 12 s per
 Importing a module here compiles nothing; the runtime (../runtime.py) chooses numba's target
 and threading layer, stamps the kernels' caches and builds them.
 """
-
-# The kernel modules, in the order the runtime imports them.
-MODULES = ("glue", "few_token", "attention", "quantize", "blocks", "vnni", "decoder")
