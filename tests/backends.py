@@ -59,9 +59,9 @@ def driver_factory(backend: str):
     if reason:
         pytest.skip(reason)
     if backend == "numpy":
-        from poot.engine.drivers.numpy_driver import NumpyDriver
+        from poot.engine.drivers.cpu import CpuDriver
 
-        return NumpyDriver
+        return CpuDriver
     if backend in CUPY:
         from poot.engine.drivers.cupy_driver import CupyDriver
 

@@ -121,7 +121,7 @@ class CupyDriver(Driver):
         """The weights as cupy_layout places them, W words (2 bytes) or fp32 (a head tied to
         the embedding is uploaded once; each norm folded into a product is never uploaded),
         plus the fp32 rotary table (positions, head_dim / 2, 2) the rope op reads."""
-        program = family(model.config).program(model.config)
+        program = family(model.config).program(model.config).unfused()  # fused ops as their parts
         f32 = layout(program).f32_weights
         total = sum(w.size * (4 if name in f32 else 2) for name, w in model.weights.items())
         if program.paged:
@@ -135,7 +135,7 @@ class CupyDriver(Driver):
 
     def prepare(self, plan: Plan, model) -> None:
         fam = family(model.config)
-        program = fam.program(model.config)
+        program = fam.program(model.config).unfused()  # fused ops as their parts
         self._check(program)
         self.plan, self.config, self.program, self.layout = plan, model.config, program, layout(program)
         weights = fam.prepare(model.config, model.weights, plan.positions)

@@ -8,10 +8,10 @@ import numpy as np
 
 from poot.engine import SamplingParams, sampler
 from poot.engine.drivers.base import RowWork
+from poot.engine.drivers.cpu import CpuDriver
 from poot.engine.drivers.cupy_device import Probe
 from poot.engine.drivers.cupy_driver import CupyDriver
 from poot.engine.drivers.cupy_launch import ReferenceLauncher
-from poot.engine.drivers.numpy_driver import NumpyDriver
 from poot.engine.plan import fit_plan
 
 SMALL = Probe("test device", 8 << 30, 8 << 30, 16, (9, 0))  # 16 SMs: the fewest rows, 32
@@ -37,7 +37,7 @@ def pair(model, **kw):
     plan = fit_plan(gpu.device(), model.config, gpu.weight_bytes(model), model.name,
                     kv_bytes_per_token=gpu.kv_bytes_per_token(model.config))
     gpu.prepare(plan, model)
-    cpu = NumpyDriver(memory_bytes=1 << 30, compact=False)
+    cpu = CpuDriver(memory_bytes=1 << 30, compact=False)
     cpu.prepare(plan, model)
     return cpu, gpu, plan
 

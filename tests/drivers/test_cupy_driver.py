@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from poot.engine.drivers.base import Pick, RowWork
+from poot.engine.drivers.cpu import CpuDriver
 from poot.engine.drivers.cupy_driver import CupyDriver
 from poot.engine.drivers.cupy_launch import signatures
-from poot.engine.drivers.numpy_driver import NumpyDriver
 from poot.engine.models.synthetic import synthetic_llama
 from poot.engine.plan import fit_plan
 from poot.engine.random_stream import random_stream
@@ -103,7 +103,7 @@ def test_the_engine_serves_the_same_greedy_tokens_on_it(family, platform):
     model = synthetic_llama(0) if family == "llama" else synthetic_mamba(1)
     prompts = ["a", "the quick brown fox", "x" * 37, "rows at different lengths " * 3]
     tokens = []
-    for driver in (NumpyDriver(memory_bytes=1 << 30, compact=False), cupy_on_cpu(platform)):
+    for driver in (CpuDriver(memory_bytes=1 << 30, compact=False), cupy_on_cpu(platform)):
         engine = Engine.create(model, driver=driver)
         records = [submit(engine, p, greedy(10, ignore_eos=True))[0] for p in prompts]
         run_until_idle(engine)
@@ -208,7 +208,7 @@ def test_mamba_logits_match_the_numpy_drivers_within_fp16():
     gpu = cupy_on_cpu()
     plan = fit_plan(gpu.device(), model.config, gpu.weight_bytes(model), model.name)
     gpu.prepare(plan, model)
-    cpu = NumpyDriver(memory_bytes=1 << 30, compact=False)
+    cpu = CpuDriver(memory_bytes=1 << 30, compact=False)
     cpu.prepare(plan, model)
     assert gpu.layout.half["xs/w"] and not gpu.layout.half["dbc"]  # dt's product runs in fp32
     rng = np.random.default_rng(2)
@@ -292,7 +292,7 @@ def test_on_the_device_logits_and_picks_match(seed, sizes, wtype):
     plan = fit_plan(gpu.device(), model.config, gpu.weight_bytes(model), model.name,
                     kv_bytes_per_token=gpu.kv_bytes_per_token(model.config))
     gpu.prepare(plan, model)
-    cpu = NumpyDriver(memory_bytes=1 << 30, compact=False)
+    cpu = CpuDriver(memory_bytes=1 << 30, compact=False)
     cpu.prepare(plan, model)
     worst = compare_logits(cpu, gpu, plan, model.config.vocab_size, seed)
     print(f"device {gpu.wtype} seed {seed}: worst |logit diff| / max |logit| = {worst:.2e}")
@@ -322,7 +322,7 @@ def test_on_the_device_mamba_matches_the_numpy_driver():
     gpu = CupyDriver(device_backend(), memory_bytes=1 << 30)
     plan = fit_plan(gpu.device(), model.config, gpu.weight_bytes(model), model.name)
     gpu.prepare(plan, model)
-    cpu = NumpyDriver(memory_bytes=1 << 30, compact=False)
+    cpu = CpuDriver(memory_bytes=1 << 30, compact=False)
     cpu.prepare(plan, model)
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, 256, int(rng.integers(6, 40))).astype(np.int32) for _ in range(6)]

@@ -54,10 +54,10 @@ def prepared(driver, model):
 
 @pytest.mark.parametrize("backend", ["ptx", "rocm"])
 def test_smollm2_logits_and_greedy_continuations_match_the_numpy_driver(smollm2, backend):
-    from poot.engine.drivers.numpy_driver import NumpyDriver
+    from poot.engine.drivers.cpu import CpuDriver
 
     gpu = cupy_driver(backend)
-    cpu = NumpyDriver(device_picks=False, compact=False)
+    cpu = CpuDriver(device_picks=False, compact=False)
     plans = [prepared(d, smollm2) for d in (cpu, gpu)]
     per_row = max(p.blocks_for(64 + STEPS) for p in plans)
     prompts = [np.asarray(smollm2.tokenizer.encode(p), np.int32) for p in PROMPTS]

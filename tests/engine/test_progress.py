@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from poot.engine import Engine
-from poot.engine.drivers.numpy_driver import NumpyDriver
+from poot.engine.drivers.cpu import CpuDriver
 from poot.engine.drivers.warm_up import warm_up_shapes
 from poot.engine.models import load_model
 from poot.engine.progress import PHASES, Progress
@@ -72,7 +72,7 @@ def test_a_reader_on_another_thread_always_sees_a_whole_stage():
 def test_engine_create_reports_the_phases_in_order_and_every_warm_up_step():
     progress, seen = recorded()
     model = load_model("synthetic", progress=progress)
-    engine = Engine.create(model, driver=NumpyDriver(memory_bytes=1 << 30), progress=progress)
+    engine = Engine.create(model, driver=CpuDriver(memory_bytes=1 << 30), progress=progress)
     phases = [s.phase for s in seen]
     order = [p for i, p in enumerate(phases) if i == 0 or phases[i - 1] != p]
     assert order == [p for p in PHASES if p in order] and order[0] == "model" and order[-1] == "warm_up"
@@ -83,5 +83,5 @@ def test_engine_create_reports_the_phases_in_order_and_every_warm_up_step():
 
 
 def test_a_driver_made_without_a_progress_reports_to_nobody():
-    engine = Engine.create(load_model("synthetic"), driver=NumpyDriver(memory_bytes=1 << 30))
+    engine = Engine.create(load_model("synthetic"), driver=CpuDriver(memory_bytes=1 << 30))
     assert engine.driver.progress.now.phase == "warm_up"  # its own, which nobody reads
