@@ -131,7 +131,9 @@ class Engine:
         progress.report("compile", f"preparing the {driver.backend} driver")
         driver.prepare(plan, model)
         if products := driver.product_choice():  # measured while preparing: published with the plan
-            plan = driver.plan = replace(plan, products=products)
+            chosen, measured_at = driver.product_choice_origin()
+            plan = driver.plan = replace(plan, products=products, products_chosen=chosen,
+                                         products_measured_at=measured_at)
         driver.warm_up()
         draft_policy = None
         if draft and draft != "none":

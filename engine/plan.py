@@ -49,6 +49,11 @@ class Plan:
     # What runs each weight product, where the driver chose it by measurement when preparing
     # (the CPU driver: per shape, the path for each range of token counts).
     products: tuple[str, ...] = ()
+    # Where that choice came from: "measured" by this start, or "cached" (read from what an
+    # earlier start on this machine measured under the same conditions); and when it was
+    # measured (UTC, ISO 8601). Empty where nothing was measured.
+    products_chosen: str = ""
+    products_measured_at: str = ""
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

@@ -44,6 +44,10 @@ def build_parser(cls: type[argparse.ArgumentParser] = argparse.ArgumentParser) -
                    help="require this file's key as a bearer token on every request but /health and /metrics "
                         "(default: the POOT_API_KEY environment variable; no key: open to all)")
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="log level (default: info)")
+    p.add_argument("--retune", action="store_true",
+                   help="measure this machine afresh (the CPU driver's product choices) instead of reading what an "
+                        "earlier start measured, and keep the new measurement: after a change of load, BIOS or "
+                        "hardware that the cache cannot see")
     # Test-only, hidden: sleep this many seconds before each driver step, so that steps of the
     # tiny synthetic model last long enough to be watched (cancellation, draining, faults). It
     # wraps the driver's step and nothing else: rows, positions and blocks are still fitted by
@@ -96,7 +100,8 @@ def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None =
 
     state = (state_class or ServerState)(model_spec=args.model, backend=args.backend,
                                          draft=None if args.draft == "none" else args.draft,
-                                         fault_injection=args.fault_injection, step_delay=args.step_delay)
+                                         fault_injection=args.fault_injection, step_delay=args.step_delay,
+                                         retune=args.retune)
     line.follow(state.progress)
     app = (app_factory or build_app)(state)
     if api_key:

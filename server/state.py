@@ -20,8 +20,9 @@ class ServerState:
     """Everything the routes share. `engine` is None until the model has loaded."""
 
     def __init__(self, model_spec: str | None = None, backend: str = "auto", draft: str | None = None,
-                 fault_injection: bool = False, step_delay: float = 0.0):
+                 fault_injection: bool = False, step_delay: float = 0.0, retune: bool = False):
         self.model_spec = model_spec
+        self.retune = retune  # the driver measures the machine afresh (--retune)
         self.backend = backend
         self.draft = draft
         self.fault_injection = fault_injection
@@ -67,6 +68,7 @@ class ServerState:
         from poot.engine.drivers import make_driver
 
         driver = make_driver(self.backend)
+        driver.retune = self.retune
         return slowed(driver, self.step_delay) if self.step_delay > 0 else driver
 
     def make_engine(self, model, driver=None):

@@ -90,6 +90,9 @@ class Driver(ABC):
         # Where preparing and warming up say what they are doing (engine/progress.py); the
         # engine hands its own in before prepare(). Nobody listens to this default one.
         self.progress = Progress()
+        # True: measure afresh what a driver measures of this machine when preparing (the CPU
+        # driver's product choice) instead of reading what an earlier start kept.
+        self.retune = False
 
     @abstractmethod
     def device(self) -> DeviceInfo: ...
@@ -103,6 +106,12 @@ class Driver(ABC):
         """What runs each weight product, where the driver measured it while preparing (for
         the plan /health publishes); empty for a driver that chooses nothing at run time."""
         return ()
+
+    def product_choice_origin(self) -> tuple[str, str]:
+        """("measured", when) where prepare() measured the product choice, ("cached", when)
+        where it read what an earlier start measured then (UTC, ISO 8601); ("", "") where
+        nothing was measured."""
+        return "", ""
 
     def kv_bytes_per_token(self, config) -> int:
         """KV cache bytes one token takes in this driver's layout and dtype (float32 here)."""

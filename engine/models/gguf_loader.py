@@ -35,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..cache_dir import cache_root
 from . import block_codes
 from .base import LlamaConfig, LoadedModel, ModelLoadError
 from .canonical import expected_shapes
@@ -169,14 +170,6 @@ def _read_model(path: Path, progress=None) -> LoadedModel:
 
 
 # ---- the cache -----------------------------------------------------------------------------
-
-def cache_root() -> Path:
-    root = os.environ.get("POOT_CACHE_DIR")
-    if root:
-        return Path(root).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "poot"
-
 
 def _cache_key(path: Path) -> str:
     st = path.stat()

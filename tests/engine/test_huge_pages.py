@@ -74,3 +74,36 @@ def test_the_numpy_drivers_kv_pool_is_allocated_there():
     layers = [kv for kv in driver.kv if kv is not None]
     assert layers and all(kv.nbytes >= HUGE_PAGE for kv in layers)
     assert all(kv.ctypes.data % HUGE_PAGE == 0 for kv in layers)
+
+
+def _resident_bytes_at(address: int) -> int:
+    """Rss of the mapping holding `address`, from /proc/self/smaps."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = re.match(r"^([0-9a-f]+)-([0-9a-f]+) ", line)
+        if head:
+            inside = int(head.group(1), 16) <= address < int(head.group(2), 16)
+        elif inside and line.startswith("Rss:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+@pytest.mark.parametrize("kernel_call", [True, False])
+def test_zeroing_maps_every_page_before_wait_returns(monkeypatch, kernel_call):
+    """Every page of the array is resident and zero once wait() returns, whether the kernel
+    mapped them in one call or (where it cannot) zeros were written through them."""
+    if not Path("/proc/self/smaps").exists():
+        pytest.skip("no /proc/self/smaps here")
+    if not kernel_call:
+        monkeypatch.setattr(huge_pages, "_libc_madvise", lambda: None)
+    pending = huge_pages.Zeroing((3, 5 * HUGE_PAGE // 6), np.uint16)
+    a = pending.wait()
+    assert a is pending.array and a.shape == (3, 5 * HUGE_PAGE // 6) and a.dtype == np.uint16
+    assert _resident_bytes_at(a.ctypes.data) >= a.nbytes
+    assert not a.any()
+    assert pending.wait() is a  # waiting again does nothing more
+
+
+def test_zeros_of_less_than_a_huge_page_are_plain_zeros():
+    a = huge_pages.zeros((3, 5), np.float32)
+    assert a.shape == (3, 5) and not a.any() and np.all(np.signbit(a) == 0)

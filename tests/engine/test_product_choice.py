@@ -144,3 +144,39 @@ def test_a_choice_comes_back_from_its_plain_data():
     for products in (fewer, lacking, model()[:3]):
         assert not choice.restore(products, choices)
         assert all(p.table == [] and p.kept is None for p in products)
+
+
+def test_a_busy_spell_slows_every_candidate_alike():
+    """A neighbour takes the machine for the first 12 s of the measuring (every run three times
+    slower then). int8 is the faster path (1.0 against 1.15 a run) but runs first: timed one
+    path after the other, all its runs would fall in the spell and the bucket go to mkl. The
+    candidates take turns, pass by pass, and the least pass counts: int8 keeps it."""
+    products = [FakeProduct((64, 32), ("int8", "mkl"))]
+    clock = Clock(None)
+    clock.cost = lambda s, p, t: (1.0 if p == "int8" else 1.15) * (3.0 if clock.now < 12.0 else 1.0)
+    made = choice.choose(products, 1, 1, clock.run, lambda: None, clock)
+    assert made[0].table == [(1, "int8")], made[0].seconds
+
+
+def test_the_candidates_take_turns_and_each_pass_starts_with_another():
+    products = [FakeProduct((64, 32), ("int8", "blocks", "mkl"))]
+    _, clock, _ = _choose(products, lambda s, p, t: 1.0, max_tokens=1)
+    runs = [path for _, path, _ in clock.calls]
+    assert runs[:3] == ["int8", "blocks", "mkl"]  # each warmed once
+    passes = [runs[3 + 3 * n: 6 + 3 * n] for n in range(choice.REPEATS)]
+    assert passes[:3] == [["int8", "blocks", "mkl"], ["blocks", "mkl", "int8"], ["mkl", "int8", "blocks"]]
+
+
+@pytest.mark.parametrize("lead, switches", [(0.95, False), (0.8, True)])
+def test_a_bucket_keeps_the_path_before_it_unless_another_is_clearly_faster(lead, switches):
+    """From 16 tokens mkl is faster than int8 by 5% (noise, on a busy machine) or by 20%: only
+    the clear lead moves those buckets off the path the buckets below chose."""
+    products = [FakeProduct((64, 32), ("int8", "mkl"))]
+    made, _, _ = _choose(products, lambda s, p, t: 1.0 if p == "int8" else (lead if t >= 16 else 1.5), max_tokens=64)
+    assert made[0].table == ([(12, "int8"), (64, "mkl")] if switches else [(64, "int8")])
+
+
+def test_the_first_bucket_keeps_the_products_first_path_unless_another_is_clearly_faster():
+    products = [FakeProduct((64, 32), ("int8", "blocks"))]
+    made, _, _ = _choose(products, lambda s, p, t: 1.0 if p == "int8" else 0.96, max_tokens=4)
+    assert made[0].table == [(4, "int8")]

@@ -76,6 +76,7 @@ def state_class(parts: dict[str, list]) -> type[ServerState]:
             if driver is None:
                 return super().make_driver()
             d = driver()
+            d.retune = self.retune
             return slowed(d, self.step_delay) if self.step_delay > 0 else d
 
         def make_engine(self, model, driver=None):

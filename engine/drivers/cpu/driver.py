@@ -30,6 +30,7 @@ from .glue import Glue
 from .platform import huge_pages, mkl
 from .platform.host import cpu_name, host_memory_bytes
 from .products import ModelProducts
+from .products.choice_cache import ChoiceCache
 from .runtime import Runtime, shared
 from .walk import ArrayOps, KernelOps
 
@@ -46,7 +47,10 @@ class CpuDriver(Driver):
     backend = "numpy"
 
     def __init__(self, memory_bytes: int | None = None, kernels: bool = True, mkl: bool = True,
-                 device_picks: bool = True, compact: bool = True, stack: bool = True, runtime: Runtime | None = None):
+                 device_picks: bool = True, compact: bool = True, stack: bool = True, runtime: Runtime | None = None,
+                 choices: ChoiceCache | None = None):
+        """`choices`: where the product choices measured on this machine are kept and read
+        (products/choice_cache.py; default: the engine's cache folder)."""
         super().__init__()
         self.device_picks = device_picks  # False: every row's logits come back (tests compare the two)
         self._memory = memory_bytes
@@ -59,12 +63,13 @@ class CpuDriver(Driver):
         self._codes: tuple = (None, {})  # (model, its family's block_codes()), found once per model
         self._want_stack = stack  # False: the layers op by op at every token count (tests compare the two)
         self.runtime = runtime or shared()
+        self.choice_cache = choices if choices is not None else ChoiceCache()
         self.products: ModelProducts | None = None  # once the kernels are compiled in prepare()
         self.stack = None  # decoder_stack.DecoderStack: the layers in one call, where the program allows
         self.walk: ArrayOps | None = None
 
     def _kernels(self) -> bool:
-        return self._want_kernels and self.runtime.available()
+        return self._want_kernels and self.runtime.available(self.progress)
 
     def device(self) -> DeviceInfo:
         memory = self._memory if self._memory is not None else host_memory_bytes()
@@ -103,13 +108,15 @@ class CpuDriver(Driver):
         if not (self._want_compact and hasattr(fam, "block_codes") and self._kernels()):
             return {}
         if self._codes[0] is not model:
-            self._codes = (model, fam.block_codes(model.config, model.weights))
+            # The loader's codes where it kept them (the GGUF cache), else searched for.
+            self._codes = (model, fam.block_codes(model.config, model.weights, getattr(model, "block_codes", None)))
         return self._codes[1]
 
     def prepare(self, plan: Plan, model) -> None:
         self.plan = plan
         fam = family(model.config)
         self.program = program = fam.program(model.config)
+        pool = self._allocate(plan)  # its pages are mapped beside what follows
         self.weights = fam.prepare(model.config, model.weights, plan.positions)
         self._built()
         self.products = None
@@ -117,8 +124,10 @@ class CpuDriver(Driver):
             # Several times slower: say so where the operator looks, not only in the plan.
             log.warning("%s: every step runs on the plain NumPy path", self.runtime.unavailable_reason())
         if self._kernels():
-            self._prepare_products(plan, model)
-        self._allocate(plan)
+            self._prepare_products(plan, model, pool)
+        if pool is not None:
+            self.progress.report("compile", f"mapping the KV pool ({pool.array.nbytes >> 20} MiB)")
+            pool.wait()
         self.stack = None
         if self._want_stack and self.products is not None and self.products.coded:
             self.stack = decoder_stack(program, self.products, self.kv_pool, self.runtime)
@@ -130,25 +139,30 @@ class CpuDriver(Driver):
             self.walk = ArrayOps(program, self.weights, self.kv, self.state)
         self._built()
 
-    def _prepare_products(self, plan: Plan, model) -> None:
+    def _prepare_products(self, plan: Plan, model, pool: huge_pages.Zeroing | None) -> None:
         for _ in range(self.runtime.compile()):
             self._built()
         parts = unfused(self.program.ops)
         names = sorted({w for op in parts if op.name in ("matmul", "matmul_add") for w in op.weights})
         head = next((op.weights[0] for op in parts if op.name == "head"), None)
         codes = self._block_codes(model)
-        # Packing the weights for MKL is part of preparing them, not a compile of its own.
-        self.products = ModelProducts(self.weights, names, self.runtime, head=head, codes=codes,
-                                      use_mkl=self._want_mkl)
+        # Packing the weights for MKL is part of preparing them, not a compile of its own. The
+        # paths' choice is read where this machine measured it before, else measured here.
+        self.products = ModelProducts.chosen(
+            self.weights, names, self.runtime, plan.rows, plan.token_budget, plan.max_step_tokens, head=head,
+            codes=codes, use_mkl=self._want_mkl, cache=self.choice_cache, remeasure=self.retune,
+            progress=self.progress, quiet=pool.wait if pool is not None else None)
         if self.products.coded:
             self._built()  # the block kernels
-            self.products.measure(plan.max_step_tokens, plan.rows)
 
-    def _allocate(self, plan: Plan) -> None:
-        """Each layer's KV cache (one pool) or recurrent state."""
+    def _allocate(self, plan: Plan) -> huge_pages.Zeroing | None:
+        """Each layer's KV cache (one pool) or recurrent state. The pool's pages are being
+        mapped when this returns: it may be read or written once the Zeroing returned has
+        been waited for."""
         program = self.program
         dims, layers = program.dims, program.layers
         self.kv = self.state = self.kv_pool = None
+        pool = None
         if program.paged:
             shape = kv_cache_shape(dims, plan.num_blocks, plan.block_size)
             # The pool is written through now, not on first use: a page's first touch costs far
@@ -158,10 +172,11 @@ class CpuDriver(Driver):
             # any block was still untouched. The plan counted this memory at fitting anyway.
             # On 2 MiB pages (huge_pages): a row's blocks lie anywhere in it.
             # One pool for every layer's cache (a compiled decoder stack takes it whole).
+            # Mapped on a thread of its own beside the weights' preparing (a fresh pool's pages
+            # took 0.2-6 s to map here), and waited for before anything is timed or run.
             paged = layers(PAGED_OPS)
-            self.kv_pool = huge_pages.empty((len(paged), *shape),
-                                            np.uint16 if self.products is not None and self._half_kv() else np.float32)
-            self.kv_pool.fill(0)  # +0.0 in either
+            pool = huge_pages.Zeroing((len(paged), *shape), np.uint16 if self._half_kv() else np.float32)
+            self.kv_pool = pool.array  # +0.0 in either, once mapped
             self.kv = [None] * (max(paged) + 1)
             for k, i in enumerate(paged):
                 self.kv[i] = self.kv_pool[k]
@@ -171,6 +186,7 @@ class CpuDriver(Driver):
             for i in layers(STATE_OPS):
                 self.state[i] = (np.zeros((rows, dims["d_conv"] - 1, di), np.float32),
                                  np.zeros((rows, di, dims["d_state"]), np.float32))
+        return pool
 
     def product_choice(self) -> tuple[str, ...]:
         """What runs each product, as measured when preparing (products/choice.py), for the
@@ -178,6 +194,13 @@ class CpuDriver(Driver):
         if self.products is None or not self.products.choices:
             return ()
         return tuple(c.describe() for c in self.products.choices)
+
+    def product_choice_origin(self) -> tuple[str, str]:
+        """Whether the product choice was measured by this prepare or read from what an
+        earlier start kept, and when it was measured (UTC); empty where nothing was."""
+        if self.products is None or not self.products.choices:
+            return "", ""
+        return ("measured" if self.products.measured_now else "cached"), self.products.measured_at
 
     def run_step(self, step: StepArrays, batch: list[RowWork]) -> StepOutput:
         layout = self.layout(step) if self.program.paged else None

@@ -23,6 +23,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ...cache_dir import cache_root
 from . import kernels as kernels_folder
 
 # Multiply-adds below which a kernel runs on the calling thread alone: waking numba's
@@ -128,15 +129,18 @@ class Runtime:
 
     # ---- the build ----------------------------------------------------------------------
 
-    def compile(self) -> int:
+    def compile(self, progress=None) -> int:
         """Builds (or loads from numba's cache) the kernels every step may call, once, and
         runs each on a tiny input of the step's types; returns how many they are. Raises
-        RuntimeError when they cannot be built here."""
+        RuntimeError when they cannot be built here. `progress` (engine/progress.py) hears
+        which kernel is being built, where this call builds them."""
         with self._lock:
             if self.kernels is None and self.error is None:
                 try:
+                    if progress is not None:
+                        progress.report("compile", "loading numba")
                     kernels = self._build()
-                    self._entries = _smoke(kernels)
+                    self._entries = _smoke(kernels, progress)
                     self.kernels = kernels
                 except Exception as exc:  # no numba, no thread-safe layer, a compiler failure
                     self.error = f"{type(exc).__name__}: {exc}".splitlines()[0]
@@ -150,6 +154,7 @@ class Runtime:
 
         self.numba = numba
         prefer_wide_vectors(numba)
+        keep_cache_with_the_engines(numba)
         # The engine thread and test threads may launch kernels concurrently: the default
         # workqueue layer aborts on that, so ask for a thread-safe one, OpenMP first: MKL's
         # products run on GNU OpenMP too (platform/mkl.py), and one pool never waits for the other.
@@ -166,9 +171,9 @@ class Runtime:
                     self._cached.append(value)
         return modules
 
-    def available(self) -> bool:
+    def available(self, progress=None) -> bool:
         try:
-            self.compile()
+            self.compile(progress)
         except RuntimeError:
             return False
         return True
@@ -262,28 +267,53 @@ def prefer_wide_vectors(numba) -> None:
             numba.config.CPU_FEATURES = features + tuning
 
 
-def _smoke(k: KernelModules) -> int:
-    """Runs the kernels every step may call on a known input; returns how many they are."""
+def keep_cache_with_the_engines(numba) -> None:
+    """numba's on-disk cache under the engine's cache (engine/cache_dir.py: numba/), unless
+    NUMBA_CACHE_DIR names a folder: beside the sources (numba's default) it is lost with
+    each fresh clone or reinstall, and a start that compiles every kernel takes a minute
+    where one that loads them takes a second. Before any kernel's cache is made (the
+    runtime's stamped caches pick their folder when applied)."""
+    if not numba.config.CACHE_DIR:
+        numba.config.CACHE_DIR = str(cache_root() / "numba")
+
+
+def _smoke(k: KernelModules, progress=None) -> int:
+    """Runs the kernels every step may call on a known input (each built, or loaded from the
+    cache, at its first call here); returns how many they are. `progress` hears which."""
     ran = (k.few_token.few_token_matmul, k.attention.paged_attention, k.glue.rms_scale, k.glue.silu_mul,
            k.glue.rope_store, k.glue.rms_run, k.glue.silu_rows, k.glue.rope_run)
+    calls = iter(range(len(ran)))
+
+    def next_kernel() -> None:
+        if progress is not None:
+            progress.report("compile", "compiling CPU kernels", next(calls), len(ran))
+
+    next_kernel()
     w = np.ones((3, 2), np.float32)
     out = np.empty((3, 2), np.float32)
     k.few_token.few_token_matmul(w, np.ones((2, 2), np.float32), out)
+    next_kernel()
     cache = np.ones((2, 1, 1, 2, 2), np.float32)
     att = np.empty((1, 2), np.float32)
     k.attention.paged_attention(np.ones((1, 1, 2), np.float32), cache, np.zeros((1, 1), np.int64),
                                 np.zeros(1, np.int64), np.ones(1, np.int64), att)
+    next_kernel()
     norm = np.empty((2, 1), np.float32)
     k.glue.rms_scale(np.full((2, 1), 2, np.float32), np.float32(0), norm, 1)
+    next_kernel()
     act = np.empty((1, 1), np.float32)
     k.glue.silu_mul(np.zeros((2, 1), np.float32), act)
+    next_kernel()
     q = np.empty((1, 1, 2), np.float32)
     k.glue.rope_store(np.ones((6, 1), np.float32), np.array([[0, 1]], np.float32), np.zeros(1, np.int64),
                       np.zeros(1, np.int64), cache, q, 1)
     # The serial entry points, on the types the wrappers pass.
+    next_kernel()
     serial_norm, serial_act = np.empty((2, 1), np.float32), np.empty((1, 1), np.float32)
     k.glue.rms_run(np.full((2, 1), 2, np.float32), np.float32(0), serial_norm, 0, 1)
+    next_kernel()
     k.glue.silu_rows(np.zeros((2, 1), np.float32), serial_act, 0, 1)
+    next_kernel()
     k.glue.rope_run(np.ones((6, 1), np.float32), np.array([[0, 1]], np.float32), np.zeros(1, np.int64),
                     np.zeros(1, np.int64), cache, q, 0, 1)
     if not (np.all(out == 2) and np.allclose(att, 1) and np.allclose(norm, 1) and act[0, 0] == 0

@@ -10,6 +10,13 @@ a step of T tokens runs the choice of the smallest bucket >= T. Buckets of few t
 pass over every matrix of the shape (what a real step reads: the weights from memory, not from
 a warm cache); larger ones, whose products are bound by arithmetic, one matrix a few times.
 
+Timed so that a process beside it (a build, a CI neighbour) does not hand a bucket to the
+wrong path: a bucket's candidates take turns, pass by pass (a busy moment slows each of them
+alike, not the one that happened to be timed then), each path's least pass counts, and a
+bucket keeps the path of the bucket before it unless another beats it by KEEP_MARGIN (a table
+of a few long runs, not one switching at every bucket on a few percent of noise). What a
+start measured is kept and read by the next starts (choice_cache.py).
+
 The choice is plain data (`ShapeChoice.as_data`, `restore`): what was measured once can be
 set again without timing anything.
 """
@@ -29,9 +36,12 @@ MEMORY_BOUND_TOKENS = 8  # up to here a timing pass reads every matrix of the sh
 # counts. One pass above had let a moment's noise hand a bucket to OpenBLAS in a server's
 # start-up (int8 1-64, openblas 65-96, int8 97-192), whose threads then spin and keep the
 # next steps' kernels to one thread.
-REPEATS = 2
+REPEATS = 3
 REPEATS_ABOVE = 3
-PRUNE = 3.0  # a path this many times slower than the best so far is not timed again at this bucket
+PRUNE = 3.0  # a path this many times slower than the best after two passes is not timed again at this bucket
+# A bucket keeps the previous bucket's path (the first bucket: the product's first path,
+# registry.py's order) unless another is faster by this factor.
+KEEP_MARGIN = 1.08
 # Paths on OpenBLAS's own threads (Path.blas_threads): timed last in each shape (they spin
 # afterwards, runtime.BLAS_SPIN_S), and chosen only when clearly faster than the best path on
 # the pool every other kernel of a step runs on: timed alone a product cannot show what two
@@ -81,30 +91,35 @@ def buckets_upto(tokens: int) -> list[int]:
     return out
 
 
-def choose(products: list, max_tokens: int, head_tokens: int, run, settle, clock=time.perf_counter) -> list[ShapeChoice]:
+def choose(products: list, max_tokens: int, head_tokens: int, run, settle, clock=time.perf_counter,
+           progress=None) -> list[ShapeChoice]:
     """Times every product path (`run(product, path, x)`, threads set as a step would set
     them) for steps of up to `max_tokens` tokens (the head: `head_tokens`, the logits a step
     asks for) and sets each product's table; `settle()` waits out the BLAS threads' spin
-    after timing a path in SLOW_LAST. Returns the measurements, one per shape."""
+    after timing the paths in SLOW_LAST, which go after the others in each shape.
+    `progress` (engine/progress.py) hears which shape is being timed. Returns the
+    measurements, one per shape."""
     groups = _groups(products)
     rng = np.random.default_rng(0)
     choices = []
-    for (shape, head), members in groups.items():
+    for k, ((shape, head), members) in enumerate(groups.items()):
+        if progress is not None:
+            progress.report("measure", f"timing each product path on this machine, {shape[0]}x{shape[1]}", k,
+                            len(groups))
         choice = ShapeChoice(shape, head, len(members))
-        paths = sorted(members[0].paths, key=lambda p: p in SLOW_LAST)
         buckets = buckets_upto(head_tokens if head else max_tokens)
         inputs = {t: rng.standard_normal((shape[1], t), dtype=np.float32) for t in buckets}
-        for path in paths:
+        for pool in ([p for p in members[0].paths if p not in SLOW_LAST], [p for p in members[0].paths if p in SLOW_LAST]):
+            if not pool:
+                continue
             for tokens in buckets:
-                timed = choice.seconds.setdefault(tokens, {})
-                best = min(timed.values(), default=float("inf"))
-                timed[path] = _time(members, path, inputs[tokens], run, best, clock)
-            if path in SLOW_LAST:
+                choice.seconds.setdefault(tokens, {}).update(_time(members, pool, inputs[tokens], run, clock))
+            if pool[0] in SLOW_LAST:
                 settle()
         choices.append(choice)
     pools = _pool_per_bucket(choices)
     for choice in choices:
-        choice.table = _table(choice.seconds, pools)
+        choice.table = _table(choice.seconds, pools, groups[(choice.shape, choice.head)][0].paths[0])
     _apply(groups, choices)
     return choices
 
@@ -140,20 +155,27 @@ def _apply(groups: dict[tuple, list], choices: list[ShapeChoice]) -> None:
             p.keep_only({path for _, path in choice.table})
 
 
-def _time(members: list, path: str, x: np.ndarray, run, best: float, clock) -> float:
-    """Seconds one product takes on `path`: the least over REPEATS passes over every matrix of
-    the shape for few tokens, else over REPEATS_ABOVE passes of one matrix, once warmed."""
+def _time(members: list, paths: list[str], x: np.ndarray, run, clock) -> dict[str, float]:
+    """Seconds one product takes on each of `paths`: the least over REPEATS passes over every
+    matrix of the shape for few tokens, else over REPEATS_ABOVE passes of one matrix, once
+    warmed; the paths take turns within each pass, the first of a pass a different one each
+    time, and one PRUNE times slower than the best after two passes is timed no more."""
     tokens = x.shape[1]
     chosen = members if tokens <= MEMORY_BOUND_TOKENS else members[:1]
-    run(chosen[0], path, x)  # first use: pages touched, buffers made
-    least = float("inf")
-    for _ in range(REPEATS if tokens <= MEMORY_BOUND_TOKENS else REPEATS_ABOVE):
-        start = clock()
-        for p in chosen:
-            run(p, path, x)
-        least = min(least, (clock() - start) / len(chosen))
-        if least > PRUNE * best:
-            break
+    for path in paths:
+        run(chosen[0], path, x)  # first use: pages touched, buffers made
+    least = dict.fromkeys(paths, float("inf"))
+    live = list(paths)
+    for n in range(REPEATS if tokens <= MEMORY_BOUND_TOKENS else REPEATS_ABOVE):
+        turn = n % len(live)
+        for path in live[turn:] + live[:turn]:
+            start = clock()
+            for p in chosen:
+                run(p, path, x)
+            least[path] = min(least[path], (clock() - start) / len(chosen))
+        if n:
+            best = min(least.values())
+            live = [p for p in live if least[p] <= PRUNE * best]
     return least
 
 
@@ -179,14 +201,19 @@ def _pool_per_bucket(choices: list[ShapeChoice]) -> dict[int, bool]:
     return decided
 
 
-def _table(seconds: dict[int, dict[str, float]], other_pool: dict[int, bool]) -> list[tuple[int, str]]:
-    """(most tokens, path) ascending, neighbouring buckets of one path merged: the fastest
-    path on the pool the bucket runs on."""
+def _table(seconds: dict[int, dict[str, float]], other_pool: dict[int, bool], first: str) -> list[tuple[int, str]]:
+    """(most tokens, path) ascending, neighbouring buckets of one path merged: on the pool the
+    bucket runs on, the path of the bucket before (at first, `first`) unless another is
+    KEEP_MARGIN times faster, then the fastest."""
     table: list[tuple[int, str]] = []
+    kept = first
     for tokens in sorted(seconds):
         timed = seconds[tokens]
         pool = {p: s for p, s in timed.items() if (p in SLOW_LAST) == other_pool.get(tokens, False)} or timed
         fastest = min(pool, key=pool.get)
+        if kept in pool and pool[kept] <= KEEP_MARGIN * pool[fastest]:
+            fastest = kept
+        kept = fastest
         if table and table[-1][1] == fastest:
             table[-1] = (tokens, fastest)
         else:

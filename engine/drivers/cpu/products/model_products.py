@@ -1,10 +1,11 @@
 """Every weight product of one prepared model, by weight name (`ModelProducts`): the matrices
-the family found block codes for on their paths (measured when the driver prepares, choice.py),
-the rest in float32, the large ones packed once for MKL where it loads. Built once per
-prepare; a step asks it for a product by the name its op gives."""
+the family found block codes for on their paths (the choice measured on this machine once and
+kept, choice.py and choice_cache.py), the rest in float32, the large ones packed once for MKL
+where it loads. Built once per prepare; a step asks it for a product by the name its op gives."""
 
 from __future__ import annotations
 
+import logging
 import time
 from types import SimpleNamespace
 
@@ -12,30 +13,80 @@ import numpy as np
 
 from ..runtime import Runtime
 from . import choice
+from .choice_cache import ChoiceCache, Stored, choice_key, now_utc
 from .product import Product, coded_product, float_product
 from .registry import CODE_PATHS
+
+log = logging.getLogger("poot.engine")
 
 
 class ModelProducts:
     def __init__(self, weights: dict[str, np.ndarray], names: list[str], runtime: Runtime, head: str | None = None,
-                 codes: dict | None = None, use_mkl: bool = True, int8: bool = True):
+                 codes: dict | None = None, use_mkl: bool = True, int8: bool = True, keep: dict | None = None,
+                 progress=None):
         """`names`: the weights the program's products read; `head`: the output head's, whose
         products return token-major logits; `codes`: {name: (BlockCodes, colscale or None)} for
         the matrices whose products run on block codes, on the paths this machine has: integer
-        dot products where the CPU has them (and `int8`), MKL where it loads (and `use_mkl`)."""
+        dot products where the CPU has them (and `int8`), MKL where it loads (and `use_mkl`).
+        `keep`: {(shape, head): path names} builds only those paths of the matrices on codes
+        of that shape (what a kept choice names: the others would cost their layouts and
+        copies for nothing); `progress` (engine/progress.py) hears how far building is."""
         codes = codes or {}
-        allowed = tuple(k.name for k in CODE_PATHS if (k.name != "mkl" or use_mkl) and (k.name != "int8" or int8))
+        allowed = allowed_paths(use_mkl, int8)
         if codes:
+            if progress is not None:
+                progress.report("compile", "compiling the block-code kernels")
             check_code_paths(runtime, allowed)
         self.runtime = runtime
         wanted = {*names, *([head] if head is not None else [])}
-        self._products: dict[str, Product] = {
-            name: coded_product(c, scale, runtime, allowed, head=name == head)
-            for name, (c, scale) in codes.items() if name in wanted}
+        coded = [name for name in codes if name in wanted]
+        if progress is not None and coded:
+            coded = progress.each("compile", "laying out the weights for their products", coded)
+        self._products: dict[str, Product] = {}
+        for name in coded:
+            c, scale = codes[name]
+            paths = allowed if keep is None else tuple(p for p in allowed if p in keep.get(_group(c, name, head), allowed))
+            self._products[name] = coded_product(c, scale, runtime, paths, head=name == head)
         for name in sorted(wanted - set(codes)):
             self._products[name] = float_product(weights[name], runtime, head=name == head, use_mkl=use_mkl)
         self.choices: list[choice.ShapeChoice] = []  # once measure() or restore() has run
         self.measure_seconds = 0.0
+        self.measured_at = ""  # when the choice was measured (UTC), here or by the start that kept it
+        self.measured_now = False  # measured by this prepare, not read
+
+    @classmethod
+    def chosen(cls, weights: dict[str, np.ndarray], names: list[str], runtime: Runtime, rows: int, token_budget: int,
+               max_step_tokens: int, head: str | None = None, codes: dict | None = None, use_mkl: bool = True,
+               int8: bool = True, cache: ChoiceCache | None = None, remeasure: bool = False,
+               progress=None, quiet=None) -> ModelProducts:
+        """The products with their choice made for a plan of `rows` rows, `token_budget` and
+        `max_step_tokens`: read from `cache` where it keeps one measured under the same
+        conditions (choice_cache.py; only the paths it names are built), else measured and
+        kept there; `remeasure` measures whatever is kept. `quiet()`, before anything is
+        timed, waits for what the caller runs beside preparing."""
+        codes = codes or {}
+        wanted = {*names, *([head] if head is not None else [])}
+        shapes = code_shapes({n: c for n, c in codes.items() if n in wanted}, head, runtime, allowed_paths(use_mkl, int8))
+        key = choice_key(list(shapes.values()), rows, token_budget, max_step_tokens, runtime) if shapes else None
+        stored = cache.read(key) if cache is not None and key is not None and not remeasure else None
+        if stored is not None:
+            try:
+                keep = {(tuple(c["shape"]), bool(c["head"])): {path for _, path in c["table"]} for c in stored.choices}
+                products = cls(weights, names, runtime, head, codes, use_mkl, int8, keep=keep, progress=progress)
+                if products.restore(stored.choices):
+                    products.measure_seconds, products.measured_at = stored.seconds, stored.measured_at
+                    return products
+            except (KeyError, TypeError, ValueError):
+                pass
+            log.warning("the kept product choice does not fit this model's products: measuring again")
+        products = cls(weights, names, runtime, head, codes, use_mkl, int8, progress=progress)
+        if products.coded:
+            if quiet is not None:
+                quiet()
+            products.measure(max_step_tokens, rows, progress)
+            if cache is not None and key is not None:
+                cache.write(key, Stored(products.choices_data(), products.measured_at, products.measure_seconds))
+        return products
 
     def __getitem__(self, name: str) -> Product:
         return self._products[name]
@@ -57,14 +108,16 @@ class ModelProducts:
         """How many float32 weight matrices run on MKL's packed products."""
         return sum(1 for p in self._products.values() if not p.quantized and "mkl" in p.paths)
 
-    def measure(self, max_tokens: int, head_tokens: int) -> list[choice.ShapeChoice]:
+    def measure(self, max_tokens: int, head_tokens: int, progress=None) -> list[choice.ShapeChoice]:
         """Times each product on block codes on each of its paths for steps of up to
         `max_tokens` tokens (the head: `head_tokens`) and keeps the fastest per shape and
         token count (choice.py); returns the measurements."""
         start = time.perf_counter()
         self.choices = choice.choose(self.on_codes(), max_tokens, head_tokens,
-                                     lambda product, path, x: product.run(x, path=path), self.runtime.settle)
+                                     lambda product, path, x: product.run(x, path=path), self.runtime.settle,
+                                     progress=progress)
         self.measure_seconds = time.perf_counter() - start
+        self.measured_at, self.measured_now = now_utc(), True
         return self.choices
 
     def choices_data(self) -> list[dict]:
@@ -79,6 +132,30 @@ class ModelProducts:
             return False
         self.choices = choices
         return True
+
+
+def allowed_paths(use_mkl: bool, int8: bool) -> tuple[str, ...]:
+    """The paths on codes a driver lets its products take (before what the machine has)."""
+    return tuple(k.name for k in CODE_PATHS if (k.name != "mkl" or use_mkl) and (k.name != "int8" or int8))
+
+
+def _group(codes, name: str, head: str | None) -> tuple:
+    return tuple(codes.codes.shape), name == head
+
+
+def code_shapes(codes: dict, head: str | None, runtime: Runtime, allowed: tuple[str, ...]) -> dict[tuple, dict]:
+    """Per (shape, head) of the matrices on codes, what their choice depends on: how many,
+    their codes' types, and the paths this machine offers them (before any is built)."""
+    shapes: dict[tuple, dict] = {}
+    for name, (c, _) in codes.items():
+        group = _group(c, name, head)
+        entry = shapes.setdefault(group, {
+            "shape": list(group[0]), "head": group[1], "matrices": 0, "codes": [],
+            "paths": [k.name for k in CODE_PATHS if k.name in allowed and k.available(runtime) and k.fits(group[0])]})
+        entry["matrices"] += 1
+        if str(c.codes.dtype) not in entry["codes"]:
+            entry["codes"] = sorted([*entry["codes"], str(c.codes.dtype)])
+    return shapes
 
 
 def check_code_paths(runtime: Runtime, names: tuple[str, ...]) -> None:

@@ -26,7 +26,7 @@ class Codes:
     BlockCodes, made unsigned), and the column scale its input takes (the RMSNorm weight the
     float32 path folds into the matrix; folding it into codes would break the blocks)."""
 
-    __slots__ = ("u", "d", "m", "colscale", "shape", "_source")
+    __slots__ = ("u", "d", "m", "colscale", "shape", "_source", "_values")
 
     def __init__(self, codes, colscale: np.ndarray | None):
         self.u, self.d, self.m = unsigned(codes)
@@ -34,10 +34,14 @@ class Codes:
         self.colscale = np.ones(self.shape[1], np.float32) if colscale is None \
             else np.ascontiguousarray(colscale, np.float32)
         self._source = codes
+        self._values = None
 
     def values(self) -> np.ndarray:
-        """The codes' float32 values, unfolded (for the float paths)."""
-        return self._source.values()
+        """The codes' float32 values, unfolded (for the float paths), made once however many
+        paths ask."""
+        if self._values is None:
+            self._values = self._source.values()
+        return self._values
 
 
 class Quantized:

@@ -1,0 +1,188 @@
+"""The product choice measured once per machine and kept (engine/drivers/cpu/products/
+choice_cache.py): a second start reads it instead of timing, names the same paths and gives
+the same logits; a change of anything the choice depends on measures again; a kept file that
+cannot be used is ignored, never a failed start."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import numpy as np
+import pytest
+
+from poot.engine import Engine
+from poot.engine.drivers.cpu import CpuDriver
+from poot.engine.drivers.cpu.products import choice_cache, model_products
+from poot.engine.drivers.cpu.products.choice_cache import ChoiceCache, Stored
+from poot.engine.drivers.cpu.products.model_products import ModelProducts
+from poot.engine.drivers.cpu.runtime import shared
+from poot.engine.models import family
+from poot.engine.models.synthetic import synthetic_llama
+from poot.engine.step import RowWork
+
+
+@pytest.fixture(scope="module")
+def model():
+    if not shared().available():
+        pytest.skip(shared().unavailable_reason())
+    return synthetic_llama(3, block_coded=True)
+
+
+def engine(model, cache: ChoiceCache, retune: bool = False) -> Engine:
+    driver = CpuDriver(memory_bytes=1 << 30, device_picks=False, choices=cache)
+    driver.retune = retune
+    return Engine.create(model, driver=driver)
+
+
+def logits(engine: Engine, prompt: list[int]) -> np.ndarray:
+    """The logits of a prompt's step, then of two decode steps, on row 0."""
+    driver = engine.driver
+    table = list(range(driver.plan.blocks_for(len(prompt) + 2)))
+    driver.open_row(0, table)
+    out = [driver.step([RowWork(0, np.array(prompt, np.int32), 0, table, 1)]).logits[0]]
+    for i in range(2):
+        token = int(np.argmax(out[-1]))
+        out.append(driver.step([RowWork(0, np.array([token], np.int32), len(prompt) + i, table, 1)]).logits[0])
+    driver.close_row(0)
+    return np.stack(out)
+
+
+def test_a_second_start_reads_the_choice_names_the_same_paths_and_gives_the_same_logits(model, tmp_path):
+    cache = ChoiceCache(tmp_path)
+    first = engine(model, cache)
+    assert first.plan.products and first.plan.products_chosen == "measured" and first.plan.products_measured_at
+    assert len(list(tmp_path.glob("*.json"))) == 1
+    second = engine(model, cache)
+    assert second.plan.products_chosen == "cached"
+    assert second.plan.products_measured_at == first.plan.products_measured_at
+    assert second.plan.products == first.plan.products
+    for a, b in zip(first.driver.products.on_codes(), second.driver.products.on_codes(), strict=True):
+        assert (a.table, a.paths) == (b.table, b.paths)
+    prompts = [[5, 6, 7], list(range(40, 40 + 50)), [9]]
+    for prompt in prompts:
+        np.testing.assert_array_equal(logits(first, prompt), logits(second, prompt))
+
+
+def test_retune_measures_again_and_keeps_the_new_measurement(model, tmp_path):
+    cache = ChoiceCache(tmp_path)
+    engine(model, cache)
+    (kept,) = tmp_path.glob("*.json")
+    stale = json.loads(kept.read_text())
+    stale["measured_at"] = "2000-01-01T00:00:00Z"
+    kept.write_text(json.dumps(stale))
+    assert engine(model, cache).plan.products_measured_at == "2000-01-01T00:00:00Z"
+    again = engine(model, cache, retune=True)
+    assert again.plan.products_chosen == "measured" and again.plan.products_measured_at != "2000-01-01T00:00:00Z"
+    assert json.loads(kept.read_text())["measured_at"] == again.plan.products_measured_at
+
+
+@pytest.mark.parametrize("contents", [b"", b"{not json", b'{"key": 1}', b"\xff\xfe", None])
+def test_a_kept_file_that_cannot_be_used_is_ignored_with_one_log_line(model, tmp_path, caplog, contents):
+    cache = ChoiceCache(tmp_path)
+    engine(model, cache)
+    (kept,) = tmp_path.glob("*.json")
+    if contents is None:  # readable JSON with the right key, but choices that fit nothing
+        data = json.loads(kept.read_text())
+        data["choices"] = [{"shape": [1, 2], "head": False, "matrices": 1, "table": [[4, "int8"]]}]
+        kept.write_text(json.dumps(data))
+    else:
+        kept.write_bytes(contents)
+    with caplog.at_level(logging.WARNING, logger="poot.engine"):
+        again = engine(model, cache)
+    assert again.plan.products_chosen == "measured"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    if contents == b'{"key": 1}':
+        assert warnings == []  # another key's file: measured and replaced without a word
+    else:
+        assert len(warnings) == 1 and "product choice" in warnings[0], warnings
+    assert engine(model, cache).plan.products_chosen == "cached", "the file was replaced by the new measurement"
+
+
+def test_a_cache_that_cannot_be_written_costs_only_the_next_start(model, tmp_path, caplog):
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")
+    with caplog.at_level(logging.WARNING, logger="poot.engine"):
+        first = engine(model, ChoiceCache(blocked / "choices"))
+    assert first.plan.products_chosen == "measured"
+    assert any("cannot keep" in r.getMessage() for r in caplog.records)
+
+
+def products_of(model, tmp_path, rows=32, token_budget=80, max_step_tokens=176, use_mkl=True, remeasure=False,
+                cache=None) -> ModelProducts:
+    """The driver's products for the model, made as CpuDriver.prepare makes them."""
+    runtime = shared()
+    program = family(model.config).program(model.config)
+    weights = family(model.config).prepare(model.config, model.weights, 64)
+    from poot.engine.ops import unfused
+
+    parts = unfused(program.ops)
+    names = sorted({w for op in parts if op.name in ("matmul", "matmul_add") for w in op.weights})
+    head = next((op.weights[0] for op in parts if op.name == "head"), None)
+    codes = family(model.config).block_codes(model.config, model.weights)
+    return ModelProducts.chosen(weights, names, runtime, rows, token_budget, max_step_tokens, head=head, codes=codes,
+                                use_mkl=use_mkl, cache=cache or ChoiceCache(tmp_path), remeasure=remeasure)
+
+
+@pytest.mark.parametrize("change", ["rows", "token_budget", "max_step_tokens", "paths", "library", "cpu", "threads",
+                                    "project"])
+def test_a_change_of_any_key_part_measures_again(model, tmp_path, monkeypatch, change):
+    assert products_of(model, tmp_path).measured_now
+    assert not products_of(model, tmp_path).measured_now, "the same conditions read what was kept"
+    changed = {"rows": {"rows": 16}, "token_budget": {"token_budget": 64}, "max_step_tokens": {"max_step_tokens": 96},
+               "paths": {"use_mkl": False}}.get(change, {})
+    if change == "library":
+        real = choice_cache._version
+        monkeypatch.setattr(choice_cache, "_version", lambda name: "0.0.0" if name == "numba" else real(name))
+    elif change == "cpu":
+        monkeypatch.setattr(choice_cache, "_cpu_flags", lambda: "fpu sse2")
+    elif change == "threads":
+        monkeypatch.setenv("OMP_NUM_THREADS", "7")
+    elif change == "project":
+        real = choice_cache._version
+        monkeypatch.setattr(choice_cache, "_version", lambda name: "9.9" if name == "poot" else real(name))
+    assert products_of(model, tmp_path, **changed).measured_now
+    assert len(list(tmp_path.glob("*.json"))) == 2
+
+
+def test_a_kept_choice_builds_only_the_paths_it_names(model, tmp_path, monkeypatch):
+    """A kept choice that names only the first path of each shape: no other path's layout or
+    copy (an MKL packed matrix, float32 values) is made for the products on codes."""
+    first = products_of(model, tmp_path)
+    (kept,) = tmp_path.glob("*.json")
+    data = json.loads(kept.read_text())
+    for c, product in zip(data["choices"], first.choices, strict=True):
+        c["table"] = [[c["table"][-1][0], next(p for p in first.on_codes() if p.shape == product.shape).path_for(1)]]
+    kept.write_text(json.dumps(data))
+    built = []
+    real = model_products.coded_product
+
+    def spy(codes, colscale, runtime, names=None, head=False):
+        built.append(names)
+        return real(codes, colscale, runtime, names, head)
+
+    monkeypatch.setattr(model_products, "coded_product", spy)
+    read = products_of(model, tmp_path)
+    assert not read.measured_now and built
+    assert all(len(names) == 1 for names in built), built
+    assert all(len(p.paths) == 1 for p in read.on_codes())
+
+
+def test_the_key_holds_what_it_says(model, tmp_path):
+    products_of(model, tmp_path)
+    (kept,) = tmp_path.glob("*.json")
+    key = json.loads(kept.read_text())["key"]
+    assert set(key) == {"format", "poot", "cpu", "flags", "target", "threads", "libraries", "products", "plan"}
+    assert set(key["libraries"]) == {"numpy", "numba", "llvmlite", "mkl"}
+    assert key["plan"] == {"rows": 32, "token_budget": 80, "max_step_tokens": 176}
+    assert all({"shape", "head", "matrices", "codes", "paths"} <= set(p) for p in key["products"])
+    assert ChoiceCache(tmp_path).read(key) is not None
+    assert ChoiceCache(tmp_path).read({**key, "format": -1}) is None
+
+
+def test_write_is_whole_or_nothing(tmp_path):
+    cache = ChoiceCache(tmp_path)
+    key = {"k": 1}
+    cache.write(key, Stored([{"shape": [1, 1]}], "2026-01-01T00:00:00Z", 1.5))
+    assert cache.read(key) == Stored([{"shape": [1, 1]}], "2026-01-01T00:00:00Z", 1.5)
+    assert [p.name for p in tmp_path.iterdir()] == [cache.path(key).name], "no temporary file is left"
