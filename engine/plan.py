@@ -49,9 +49,10 @@ class Plan:
     # What runs each weight product, where the driver chose it by measurement when preparing
     # (the CPU driver: per shape, the path for each range of token counts).
     products: tuple[str, ...] = ()
-    # Where that choice came from: "measured" by this start, or "cached" (read from what an
-    # earlier start on this machine measured under the same conditions); and when it was
-    # measured (UTC, ISO 8601). Empty where nothing was measured.
+    # Where that choice came from: "measured" by this start; "preferred" by this start
+    # without timing, the machine too busy to tell (each product on its first path); or
+    # "cached" (read from what an earlier start on this machine made under the same
+    # conditions); and when it was made (UTC, ISO 8601). Empty where nothing was measured.
     products_chosen: str = ""
     products_measured_at: str = ""
 

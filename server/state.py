@@ -44,9 +44,10 @@ class ServerState:
         from poot.engine.models.base import ModelLoadError
 
         try:
-            # The backend is chosen (`auto` probes the machine's devices) while the model loads.
+            # The backend is chosen (`auto` probes the machine's devices) and its device looked
+            # at (the CPU driver loads its compiled kernels there) while the model loads.
             with ThreadPoolExecutor(1, thread_name_prefix="poot-driver") as pool:
-                driver = pool.submit(self.make_driver)
+                driver = pool.submit(self.ready_driver)
                 model = loading.load_model(self.model_spec, self.progress)
                 engine = self.make_engine(model, driver.result())
             engine.start()
@@ -70,6 +71,13 @@ class ServerState:
         driver = make_driver(self.backend)
         driver.retune = self.retune
         return slowed(driver, self.step_delay) if self.step_delay > 0 else driver
+
+    def ready_driver(self):
+        """make_driver()'s driver, reporting to this start's progress, its device looked at."""
+        driver = self.make_driver()
+        driver.progress = self.progress
+        driver.device()
+        return driver
 
     def make_engine(self, model, driver=None):
         """The engine over `driver` (default: a new one from make_driver())."""

@@ -108,8 +108,9 @@ class Driver(ABC):
         return ()
 
     def product_choice_origin(self) -> tuple[str, str]:
-        """("measured", when) where prepare() measured the product choice, ("cached", when)
-        where it read what an earlier start measured then (UTC, ISO 8601); ("", "") where
+        """("measured", when) where prepare() measured the product choice, ("preferred",
+        when) where it set it without timing (the machine too busy to tell), ("cached",
+        when) where it read what an earlier start made then (UTC, ISO 8601); ("", "") where
         nothing was measured."""
         return "", ""
 

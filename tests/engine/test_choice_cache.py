@@ -186,3 +186,34 @@ def test_write_is_whole_or_nothing(tmp_path):
     cache.write(key, Stored([{"shape": [1, 1]}], "2026-01-01T00:00:00Z", 1.5))
     assert cache.read(key) == Stored([{"shape": [1, 1]}], "2026-01-01T00:00:00Z", 1.5)
     assert [p.name for p in tmp_path.iterdir()] == [cache.path(key).name], "no temporary file is left"
+
+
+class Busy:
+    """A watch of the machine on which others take `share` of the CPUs."""
+
+    def __init__(self, share):
+        self.value = share
+
+    def share(self):
+        return self.value
+
+
+def test_a_machine_too_busy_to_time_keeps_the_preferred_paths_until_a_quieter_start(model, tmp_path, monkeypatch,
+                                                                                      caplog):
+    from poot.engine.drivers.cpu.products import choice
+
+    monkeypatch.setattr(choice, "Contention", lambda: Busy(0.6))
+    with caplog.at_level(logging.WARNING, logger="poot.engine"):
+        busy = products_of(model, tmp_path)
+    assert busy.origin() == "preferred" and not busy.timed
+    assert all(p.table == [(p.table[-1][0], p.paths[0])] and len(p.paths) == 1 for p in busy.on_codes())
+    assert [r.getMessage() for r in caplog.records if "took 60% of the CPUs" in r.getMessage()], caplog.records
+    monkeypatch.setattr(model_products, "_quiet_now", lambda: False)
+    still = products_of(model, tmp_path)
+    assert still.origin() == "cached" and not still.timed, "still busy: the kept choice is used"
+    monkeypatch.setattr(model_products, "_quiet_now", lambda: True)
+    monkeypatch.setattr(choice, "Contention", lambda: Busy(0.0))
+    quiet = products_of(model, tmp_path)
+    assert quiet.origin() == "measured" and quiet.timed
+    monkeypatch.setattr(model_products, "_quiet_now", lambda: pytest.fail("a timed choice is read without a watch"))
+    assert products_of(model, tmp_path).origin() == "cached"

@@ -28,6 +28,7 @@ def _driver(model, stack: bool, every_count: bool = True) -> CpuDriver:
     count (the tiny model's measured choice may put some on a float path), so the stack takes
     every step."""
     driver = CpuDriver(memory_bytes=1 << 30, stack=stack)
+    driver.retune = True  # every path built and timed, whatever an earlier driver kept
     driver.prepare(fit_plan(driver.device(), model.config, 0, model.name), model)
     if every_count:
         for product in driver.products.on_codes():

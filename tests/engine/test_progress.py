@@ -85,3 +85,22 @@ def test_engine_create_reports_the_phases_in_order_and_every_warm_up_step():
 def test_a_driver_made_without_a_progress_reports_to_nobody():
     engine = Engine.create(load_model("synthetic"), driver=CpuDriver(memory_bytes=1 << 30))
     assert engine.driver.progress.now.phase == "warm_up"  # its own, which nobody reads
+
+
+def test_a_cpu_driver_that_measures_says_so_shape_by_shape(tmp_path):
+    from poot.engine.drivers.cpu.products.choice_cache import ChoiceCache
+    from poot.engine.models.synthetic import synthetic_llama
+
+    for kept in (False, True):
+        progress, seen = recorded()
+        driver = CpuDriver(memory_bytes=1 << 30, choices=ChoiceCache(tmp_path))
+        Engine.create(synthetic_llama(3, block_coded=True), driver=driver, progress=progress)
+        phases = [s.phase for s in seen]
+        order = [p for i, p in enumerate(phases) if i == 0 or phases[i - 1] != p]
+        assert order == (["model", "compile", "warm_up"] if kept else ["model", "compile", "measure", "warm_up"])
+        assert any(s.detail.startswith("laying out the weights") for s in seen)
+        shapes = [s for s in seen if s.phase == "measure"]
+        assert not kept or not shapes, "a kept choice is read, not measured"
+        if not kept:
+            n = len(driver.products.choices)
+            assert [s.fraction for s in shapes] == [k / n for k in range(n)] and len({s.detail for s in shapes}) == n

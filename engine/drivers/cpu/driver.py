@@ -69,9 +69,14 @@ class CpuDriver(Driver):
         self.walk: ArrayOps | None = None
 
     def _kernels(self) -> bool:
-        return self._want_kernels and self.runtime.available(self.progress)
+        return self._want_kernels and self.runtime.available()
 
     def device(self) -> DeviceInfo:
+        if self._want_kernels:  # built or loaded here, the first time, saying which
+            try:
+                self.runtime.compile(self.progress)
+            except RuntimeError:
+                pass  # available() says why, where it is asked
         memory = self._memory if self._memory is not None else host_memory_bytes()
         return DeviceInfo("numpy", "cpu", memory, CPU_ROWS, token_multiple=mkl.PAD_TOKENS if self._uses_mkl() else 1,
                           adapter=cpu_name())
@@ -126,7 +131,6 @@ class CpuDriver(Driver):
         if self._kernels():
             self._prepare_products(plan, model, pool)
         if pool is not None:
-            self.progress.report("compile", f"mapping the KV pool ({pool.array.nbytes >> 20} MiB)")
             pool.wait()
         self.stack = None
         if self._want_stack and self.products is not None and self.products.coded:
@@ -151,7 +155,7 @@ class CpuDriver(Driver):
         self.products = ModelProducts.chosen(
             self.weights, names, self.runtime, plan.rows, plan.token_budget, plan.max_step_tokens, head=head,
             codes=codes, use_mkl=self._want_mkl, cache=self.choice_cache, remeasure=self.retune,
-            progress=self.progress, quiet=pool.wait if pool is not None else None)
+            progress=self.progress, quiet=pool.wait if pool is not None else None)  # nothing timed beside it
         if self.products.coded:
             self._built()  # the block kernels
 
@@ -175,6 +179,7 @@ class CpuDriver(Driver):
             # Mapped on a thread of its own beside the weights' preparing (a fresh pool's pages
             # took 0.2-6 s to map here), and waited for before anything is timed or run.
             paged = layers(PAGED_OPS)
+            self.progress.report("compile", "mapping the KV pool")
             pool = huge_pages.Zeroing((len(paged), *shape), np.uint16 if self._half_kv() else np.float32)
             self.kv_pool = pool.array  # +0.0 in either, once mapped
             self.kv = [None] * (max(paged) + 1)
@@ -196,11 +201,11 @@ class CpuDriver(Driver):
         return tuple(c.describe() for c in self.products.choices)
 
     def product_choice_origin(self) -> tuple[str, str]:
-        """Whether the product choice was measured by this prepare or read from what an
-        earlier start kept, and when it was measured (UTC); empty where nothing was."""
+        """How the product choice was made (ModelProducts.origin: measured, preferred or
+        cached) and when it was measured (UTC); empty where nothing was."""
         if self.products is None or not self.products.choices:
             return "", ""
-        return ("measured" if self.products.measured_now else "cached"), self.products.measured_at
+        return self.products.origin(), self.products.measured_at
 
     def run_step(self, step: StepArrays, batch: list[RowWork]) -> StepOutput:
         layout = self.layout(step) if self.program.paged else None

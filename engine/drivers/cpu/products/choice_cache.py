@@ -32,7 +32,7 @@ log = logging.getLogger("poot.engine")
 
 # Bumped whenever choice.py would decide differently from the same timings, so that what an
 # older rule chose is measured again.
-CHOICE_FORMAT = 2
+CHOICE_FORMAT = 1
 LIBRARIES = ("numpy", "numba", "llvmlite", "mkl")
 THREAD_SETTINGS = ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 

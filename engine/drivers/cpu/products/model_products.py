@@ -14,6 +14,7 @@ import numpy as np
 from ..runtime import Runtime
 from . import choice
 from .choice_cache import ChoiceCache, Stored, choice_key, now_utc
+from .contention import Contention
 from .product import Product, coded_product, float_product
 from .registry import CODE_PATHS
 
@@ -69,6 +70,10 @@ class ModelProducts:
         shapes = code_shapes({n: c for n, c in codes.items() if n in wanted}, head, runtime, allowed_paths(use_mkl, int8))
         key = choice_key(list(shapes.values()), rows, token_budget, max_step_tokens, runtime) if shapes else None
         stored = cache.read(key) if cache is not None and key is not None and not remeasure else None
+        if stored is not None and not all(c.get("timed", True) for c in stored.choices) and _quiet_now():
+            log.info("the kept product choice was made while the machine was too busy to time; "
+                     "it is quieter now: measuring again")
+            stored = None
         if stored is not None:
             try:
                 keep = {(tuple(c["shape"]), bool(c["head"])): {path for _, path in c["table"]} for c in stored.choices}
@@ -84,6 +89,11 @@ class ModelProducts:
             if quiet is not None:
                 quiet()
             products.measure(max_step_tokens, rows, progress)
+            if not products.timed:
+                log.warning("other processes took %.0f%% of the CPUs while the products were being timed: each "
+                            "keeps its first path (%s) until a start on a quieter machine measures again",
+                            100 * max(c.busy for c in products.choices),
+                            ", ".join(sorted({p.path_for(1) for p in products.on_codes()})))
             if cache is not None and key is not None:
                 cache.write(key, Stored(products.choices_data(), products.measured_at, products.measure_seconds))
         return products
@@ -120,6 +130,18 @@ class ModelProducts:
         self.measured_at, self.measured_now = now_utc(), True
         return self.choices
 
+    @property
+    def timed(self) -> bool:
+        """False where the choice was set without timing, the machine too busy (choice.preferred)."""
+        return all(c.timed for c in self.choices)
+
+    def origin(self) -> str:
+        """How the choice was made: "measured" by this prepare, "preferred" by it without
+        timing (the machine too busy), or "cached" (read from what an earlier start kept)."""
+        if not self.measured_now:
+            return "cached"
+        return "measured" if self.timed else "preferred"
+
     def choices_data(self) -> list[dict]:
         """The choice made, as plain data, for restore()."""
         return [c.as_data() for c in self.choices]
@@ -132,6 +154,18 @@ class ModelProducts:
             return False
         self.choices = choices
         return True
+
+
+QUIET_PROBE_S = 0.25  # how long a start that found a choice made too busy to time watches the machine
+
+
+def _quiet_now() -> bool:
+    """Whether others take at most choice.BUSY_LIMIT of the CPUs over a short watch (False
+    where the machine does not say)."""
+    watch = Contention()
+    time.sleep(QUIET_PROBE_S)
+    share = watch.share()
+    return share is not None and share <= choice.BUSY_LIMIT
 
 
 def allowed_paths(use_mkl: bool, int8: bool) -> tuple[str, ...]:
