@@ -293,7 +293,10 @@ def _smoke(k: KernelModules, progress=None) -> int:
     out = np.empty((3, 2), np.float32)
     k.few_token.few_token_matmul(w, np.ones((2, 2), np.float32), out)
     next_kernel()
-    cache = np.ones((2, 1, 1, 2, 2), np.float32)
+    # The KV cache the CPU driver keeps by default, float16 bits (1.0 here): the float32
+    # cache's variants compile where a driver first steps with one (the float32 path), not
+    # at every start (a quarter of a fresh start's compiling went to them).
+    cache = np.full((2, 1, 1, 2, 2), np.float16(1).view(np.uint16), np.uint16)
     att = np.empty((1, 2), np.float32)
     k.attention.paged_attention(np.ones((1, 1, 2), np.float32), cache, np.zeros((1, 1), np.int64),
                                 np.zeros(1, np.int64), np.ones(1, np.int64), att)
