@@ -44,8 +44,8 @@ class ServerState:
         from poot.engine.models.base import ModelLoadError
 
         try:
-            # The backend is chosen (`auto` probes the machine's devices) and its device looked
-            # at (the CPU driver loads its compiled kernels there) while the model loads.
+            # The backend is chosen (`auto` probes the machine's devices) and the driver does
+            # what needs no model (the CPU driver loads its compiled kernels) while the model loads.
             with ThreadPoolExecutor(1, thread_name_prefix="poot-driver") as pool:
                 driver = pool.submit(self.ready_driver)
                 model = loading.load_model(self.model_spec, self.progress)
@@ -73,10 +73,10 @@ class ServerState:
         return slowed(driver, self.step_delay) if self.step_delay > 0 else driver
 
     def ready_driver(self):
-        """make_driver()'s driver, reporting to this start's progress, its device looked at."""
+        """make_driver()'s driver, reporting to this start's progress, preloaded."""
         driver = self.make_driver()
         driver.progress = self.progress
-        driver.device()
+        driver.preload()
         return driver
 
     def make_engine(self, model, driver=None):

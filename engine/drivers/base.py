@@ -97,6 +97,12 @@ class Driver(ABC):
     @abstractmethod
     def device(self) -> DeviceInfo: ...
 
+    def preload(self) -> None:
+        """Work that needs neither the model nor the plan (the CPU driver loads or builds its
+        kernels), which a caller may run beside loading the model; else it happens in the
+        first call that needs it. Nothing, for a driver with no such work."""
+        return None
+
     def weight_bytes(self, model) -> int:
         """Device memory the model's weights will take once prepared, for fitting the plan
         before prepare() runs: the weights themselves, plus any copy a driver keeps."""

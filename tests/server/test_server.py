@@ -476,6 +476,17 @@ def test_loading_state_is_reported():
                         "progress": 0.25}
 
 
+def test_the_driver_is_made_and_preloaded_beside_the_model_reporting_to_the_start(monkeypatch):
+    from poot.engine.drivers.cpu import CpuDriver
+    from poot.server.state import ServerState
+
+    preloaded = []
+    monkeypatch.setattr(CpuDriver, "preload", lambda self: preloaded.append(self.progress))
+    state = ServerState(model_spec="synthetic", backend="numpy")
+    driver = state.ready_driver()
+    assert driver.progress is state.progress and preloaded == [state.progress]
+
+
 # ---- deliberate defects (tests/poot_mutants): what a conformance run must catch --------------
 
 def test_an_unknown_defect_fails_startup():

@@ -71,12 +71,17 @@ class CpuDriver(Driver):
     def _kernels(self) -> bool:
         return self._want_kernels and self.runtime.available()
 
-    def device(self) -> DeviceInfo:
-        if self._want_kernels:  # built or loaded here, the first time, saying which
+    def preload(self) -> None:
+        """The kernels built or loaded from numba's cache (the first time in the process),
+        saying which."""
+        if self._want_kernels:
             try:
                 self.runtime.compile(self.progress)
             except RuntimeError:
                 pass  # available() says why, where it is asked
+
+    def device(self) -> DeviceInfo:
+        self.preload()
         memory = self._memory if self._memory is not None else host_memory_bytes()
         return DeviceInfo("numpy", "cpu", memory, CPU_ROWS, token_multiple=mkl.PAD_TOKENS if self._uses_mkl() else 1,
                           adapter=cpu_name())
