@@ -76,8 +76,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_once(model: str, env: dict, backend: str, timeout: float) -> tuple[float, dict[str, float]]:
-    """Seconds from launch to /health 200, and when each loading phase was first seen."""
+def start_once(model: str, env: dict, backend: str, timeout: float) -> tuple[float, dict[str, float], dict]:
+    """Seconds from launch to /health 200, when each loading phase was first seen, and the
+    plan /health published."""
     port = free_port()
     args = [*poot_serve(), "--port", str(port), "--log-level", "warning", "--backend", backend]
     if model != "default":
@@ -96,7 +97,7 @@ def start_once(model: str, env: dict, backend: str, timeout: float) -> tuple[flo
                 try:
                     r = client.get(f"http://127.0.0.1:{port}/health")
                     if r.status_code == 200:
-                        return time.perf_counter() - began, seen
+                        return time.perf_counter() - began, seen, r.json().get("plan", {})
                     phase = r.json().get("phase")
                     if phase in PHASES and phase not in seen:
                         seen[phase] = time.perf_counter() - began
@@ -174,15 +175,15 @@ def main() -> int:
         for model in models:
             for kind in kinds:
                 if kind == "warm":
-                    took, _ = start_once(model, environment(kind, scratch), args.backend, args.timeout)
+                    took, _, _ = start_once(model, environment(kind, scratch), args.backend, args.timeout)
                     print(f"  {model} warm: a first start to fill the caches took {took:.1f} s", flush=True)
-                times: dict[str, list[tuple[float, dict]]] = {c: [] for c in conditions}
+                times: dict[str, list[tuple[float, dict, dict]]] = {c: [] for c in conditions}
                 for i in range(args.starts):
                     for condition in conditions:
                         env = environment(kind, scratch)
                         with Burners(args.burners if condition != "quiet" else 0):
-                            took, seen = start_once(model, env, args.backend, args.timeout)
-                        times[condition].append((took, seen))
+                            took, seen, plan = start_once(model, env, args.backend, args.timeout)
+                        times[condition].append((took, seen, plan))
                         print(f"  {model} {kind} {condition} start {i + 1}/{args.starts}: {took:.1f} s "
                               f"({phases_of(seen, took)})", flush=True)
                 rows.append((model, kind, times))
@@ -198,7 +199,7 @@ def main() -> int:
     for model, kind, times in rows:
         cells, medians = [], []
         for condition in conditions:
-            seconds = [t for t, _ in times[condition]]
+            seconds = [t for t, _, _ in times[condition]]
             median = statistics.median(seconds)
             medians.append(median)
             cells += [", ".join(f"{t:.1f}" for t in seconds), f"**{median:.1f}**"]
@@ -208,9 +209,27 @@ def main() -> int:
     for model, kind, times in rows:
         for condition in conditions:
             ordered = sorted(times[condition], key=lambda ts: ts[0])
-            took, seen = ordered[len(ordered) // 2]
+            took, seen, _ = ordered[len(ordered) // 2]
             print(f"  {model} {kind} {condition}: {took:.1f} s = {phases_of(seen, took)}")
+    print_choices(rows, conditions)
     return 0
+
+
+def print_choices(rows, conditions) -> None:
+    """Each start's product choice (the CPU driver's, from /health's plan), side by side by
+    condition: how it was made (measured, preferred, cached) and its table."""
+    for model, kind, times in rows:
+        plans = {c: [plan for _, _, plan in times[c]] for c in conditions}
+        if not any(plan.get("products") for c in conditions for plan in plans[c]):
+            continue
+        print(f"\nProduct choices, {model} {kind} (first start of each condition; every start's origin):")
+        for c in conditions:
+            print(f"  {c}: " + ", ".join(plan.get("products_chosen") or "-" for plan in plans[c]))
+        firsts = [plans[c][0].get("products") or [] for c in conditions]
+        width = max((len(line) for table in firsts for line in table), default=0)
+        print("  " + " | ".join(c.ljust(width) for c in conditions))
+        for lines in zip(*firsts, strict=False):
+            print("  " + " | ".join(line.ljust(width) for line in lines))
 
 
 if __name__ == "__main__":

@@ -34,12 +34,16 @@ def test_a_second_start_reads_the_choice_and_retune_measures_it_again(tmp_path):
             plans.append(server.client.get("/health").json()["plan"])
         finally:
             server.stop()
-    measured, cached, retuned = plans
-    if not measured["products"]:
+    first, second, retuned = plans
+    if not first["products"]:
         pytest.skip("this machine's CPU driver chooses no product paths (no kernels)")
-    assert (measured["products_chosen"], cached["products_chosen"], retuned["products_chosen"]) == (
-        "measured", "cached", "measured")
-    assert cached["products"] == measured["products"]
-    assert cached["products_measured_at"] == measured["products_measured_at"]
-    assert retuned["products_measured_at"] >= measured["products_measured_at"]
+    # The server watches the machine: beside busy neighbours a start keeps the preferred paths
+    # untimed ("preferred"), and the next start measures if it finds the machine quieter.
+    assert first["products_chosen"] in ("measured", "preferred")
+    assert retuned["products_chosen"] in ("measured", "preferred")
+    assert retuned["products_measured_at"] >= first["products_measured_at"]
+    if first["products_chosen"] == "measured":
+        assert second["products_chosen"] == "cached"
+        assert second["products"] == first["products"]
+        assert second["products_measured_at"] == first["products_measured_at"]
     assert len(list((tmp_path / "choices").glob("*.json"))) == 1
