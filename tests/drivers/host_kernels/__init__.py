@@ -12,6 +12,7 @@ import ctypes
 import hashlib
 import shutil
 import subprocess
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -56,6 +57,10 @@ def build(folder: Path, lanes: int, sources: dict[str, str] | None = None) -> ct
     return ctypes.CDLL(str(lib))
 
 
+# The runtime's state (the fibers, the shuffle exchange, `__shared__` as statics) is global to
+# the library, and ctypes lets go of the GIL during a call: launches from two threads (an
+# engine thread and a test's) must not overlap.
+_ONE_LAUNCH = threading.Lock()
 _SCALAR = {np.int32: ctypes.c_int32, np.float32: ctypes.c_float, np.int64: ctypes.c_int64,
            np.uint32: ctypes.c_uint32}
 
@@ -66,7 +71,8 @@ def launch(lib: ctypes.CDLL, name: str, grid: tuple, block: tuple, args: tuple) 
     values = [ctypes.c_void_p(a.ctypes.data) if isinstance(a, np.ndarray) else _SCALAR[type(a)](a) for a in args]
     pointers = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in values])
     geometry = (ctypes.c_uint * 6)(*grid, *(1,) * (3 - len(grid)), *block, *(1,) * (3 - len(block)))
-    status = getattr(lib, f"sim_{name}")(geometry, pointers)
+    with _ONE_LAUNCH:
+        status = getattr(lib, f"sim_{name}")(geometry, pointers)
     if status:
         raise RuntimeError(f"{name} grid {grid} block {block}: the block deadlocked or is too large ({status})")
 
