@@ -46,6 +46,8 @@ FACTS: dict[str, str] = {
     "prefix_hits": "a counter of prompt tokens served from the prefix cache on /metrics (prefix_cache_hit_tokens_total)",
     "step_tokens": "a histogram of tokens fed per step on /metrics (engine_step_tokens)",
     "cached_tokens": "usage.prompt_tokens_details.cached_tokens in answers",
+    "ignore_eos": "whether the server takes ignore_eos (an extension: generation goes on past end-of-sequence), "
+                  "sent only where it does",
 }
 INT_FACTS = ("rows", "positions", "block_size", "token_budget", "idle_token_budget")
 RESERVATIONS = ("per_block", "per_slot", "on_demand")
