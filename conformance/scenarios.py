@@ -222,6 +222,11 @@ class Probes:
         with self._lock:
             if self._long_extra is None:
                 self._long_extra = self.ignore_eos() or self._bias_holds()
+                if self.client.facts is not None:
+                    how = ("ignore_eos" if "ignore_eos" in self._long_extra
+                           else f"logit_bias +100 on token {BIASED_TOKEN}" if self._long_extra
+                           else "nothing: such requests may end by themselves")
+                    self.client.facts.note("long_requests", how, "probed: what the server takes")
             return dict(self._long_extra)
 
     def _bias_holds(self) -> dict:

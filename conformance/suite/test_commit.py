@@ -117,11 +117,14 @@ def test_max_tokens_is_honoured_exactly(client: Client, probes: Probes):
 def test_tokens_stream_as_committed(client: Client, probes: Probes):
     # A fast model streams 96 tokens in well under 0.1 s, so a moment without CPU for the
     # client or the server's HTTP loop can pile one stream's chunks up; a server that holds
-    # its text back does it every time. Three tries, each must come token by token.
+    # its text back does it every time. The stream is sized to last about a second on this
+    # server (at least 96 tokens, at most the positions), and tried up to three times.
+    positions = client.facts.get("positions") if client.facts is not None else None
+    tokens = probes.tokens_lasting(1.0, max(96, (positions or 1040) - 40), least=96)
     for _ in range(3):
-        s = client.stream_ok(unique_text(20), **probes.long_params(96))
+        s = client.stream_ok(unique_text(20), **probes.long_params(tokens))
         times = s.content_times()
-        assert len(times) >= 8, f"96 tokens came in {len(times)} content chunks; expected them token by token"
+        assert len(times) >= 8, f"{tokens} tokens came in {len(times)} content chunks; expected them token by token"
         first, last = times[0], s.times[-1]
         total = s.ended - s.started
         if last - first >= total * 0.25:
