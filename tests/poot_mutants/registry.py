@@ -295,11 +295,13 @@ REFUSES_LOGPROBS = M("refuses_logprobs", "api/logprobs/1", "logprobs and echo ar
 # one with 200 rows and no plan on /health, for the test that shows its rows are measured.
 REFUSES_UNKNOWN_FIELDS = M("refuses_unknown_fields", "api/penalties/3",
                            "fields outside OpenAI's API are refused with 422 naming them", "-",
-                           {"middleware": a.refuses_unknown_fields}, scope=("api/penalties", "api/ignore-eos"),
-                           control="api/completions/1")
+                           {"middleware": a.refuses_unknown_fields},
+                           scope=("api/penalties", "api/ignore-eos", "loop/commit/length", "loop/admission/1",
+                                  "drain/inflight"), control="api/completions/1")
 ROWS_200_UNPUBLISHED = M("rows_200_unpublished", "loop/admission/1",
                          "the plan fits 200 rows and /health publishes no plan", "-",
-                         {"driver": e.TwoHundredRows, "middleware": h.NoPlanOnHealth}, scope=("loop/admission",))
+                         {"driver": e.TwoHundredRows, "middleware": h.NoPlanOnHealth},
+                         scope=("loop/admission", "loop/preempt", "cancel/waiting", "compile/constant"))
 
 BY_NAME = {m.name: m for m in (*MUTANTS, CRASH_AT_START, REFUSES_LOGPROBS, REFUSES_UNKNOWN_FIELDS,
                                ROWS_200_UNPUBLISHED)}
