@@ -29,16 +29,18 @@ def matrix(reports: list[dict], names: list[str]) -> str:
     """The Markdown matrix of several JSON reports."""
     order: list[str] = []
     titles: dict[str, str] = {}
+    sources: dict[str, str] = {}  # where each requirement comes from; "design choice" for the design's own
     cells: list[dict[str, dict]] = []
     for report in reports:
         by_id = {}
         for c in report.get("clauses", []):
             by_id[c["id"]] = c
             titles.setdefault(c["id"], c.get("title", ""))
+            sources.setdefault(c["id"], "design choice" if c.get("design_choice") else c.get("source", "-"))
             if c["id"] not in order:
                 order.append(c["id"])
         cells.append(by_id)
-    lines = ["| clause | title | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+    lines = ["| clause | title | source | " + " | ".join(names) + " |", "|---|---|---|" + "---|" * len(names)]
     notes: list[str] = []
     for cid in order:
         row = []
@@ -52,15 +54,16 @@ def matrix(reports: list[dict], names: list[str]) -> str:
                 notes.append(f"{len(notes) + 1}. `{cid}` on {name}: {_short(c['why'], 300)}")
                 mark += f" [{len(notes)}]"
             row.append(mark)
-        lines.append(f"| `{cid}` | {_short(titles[cid], 80)} | " + " | ".join(row) + " |")
+        lines.append(f"| `{cid}` | {_short(titles[cid], 80)} | {sources[cid]} | " + " | ".join(row) + " |")
     totals = []
     for report in reports:
         s = report.get("summary", {})
-        totals.append(f"{s.get('passed', 0)} passed, {s.get('failed', 0)} failed, "
-                      f"{s.get('not_supported', 0)} n/s")
-    lines.append("| | **total** | " + " | ".join(totals) + " |")
+        choices = len(report.get("failed_design_choices", []))
+        totals.append(f"{s.get('passed', 0)} passed, {s.get('failed', 0)} failed"
+                      + (f" ({choices} of them design choices)" if choices else "") + f", {s.get('not_supported', 0)} n/s")
+    lines.append("| | **total** | | " + " | ".join(totals) + " |")
     if any("duration_s" in r for r in reports):
-        lines.append("| | run took | " + " | ".join(_minutes(r.get("duration_s")) for r in reports) + " |")
+        lines.append("| | run took | | " + " | ".join(_minutes(r.get("duration_s")) for r in reports) + " |")
     out = "\n".join(lines)
     if notes:
         out += "\n\n" + "\n".join(notes)

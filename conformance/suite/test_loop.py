@@ -59,14 +59,30 @@ def shared_steps_by_timing(client: Client, probes: Probes, facts: Facts) -> None
          f"({seen.alone:.2f} s); sharing steps they take about as long as one, one at a time {k} times as long")
 
 
+SHORT_FILLER_S = 3.0  # the fillers that end first are sized to decode about this long alone, where positions allow
+
+
 def staggered_fill(client: Client, probes: Probes, first: int, gap: int, staggered: int = 3):
-    """Every row taken; the first `staggered` fillers end `gap` tokens apart, the rest much later."""
+    """Every row taken; the first `staggered` fillers end `gap` tokens apart, the rest much later.
+    Returns (rows, fillers, the first one's max_tokens). The long fillers are opened first; the
+    short ones once those run, so no short one can end before every row is taken, however
+    slowly the server takes the rest. The short ones are sized by the server's pace (at least
+    `first` tokens), so they still run while the test queues its requests behind them."""
     rows, positions = rows_and_positions(client)
     client.need("running", "waiting")
     longest = positions - 40
     assert first + gap * staggered + 64 <= longest, f"plan positions {positions} too small for this check"
-    lengths = [first + gap * i for i in range(staggered)] + [longest] * (rows - staggered)
-    return rows, fill_rows(client, probes, rows, lengths)
+    first = probes.tokens_lasting(SHORT_FILLER_S, longest - gap * staggered - 64, least=first)
+    fillers = fill_rows(client, probes, rows, [longest] * (rows - staggered)) if rows > staggered else []
+    try:
+        for i in range(staggered):  # before the long ones in the list: fillers[0] ends first
+            fillers.insert(i, RawStream.open(client, unique_text(24), **probes.long_params(first + gap * i)))
+        client.wait_until(lambda s: s.get("engine_requests_running", 0) >= rows, 20, f"{rows} running requests")
+    except BaseException:
+        for f in fillers:
+            f.close()
+        raise
+    return rows, fillers, first
 
 
 @clause("loop/admission/1")
@@ -77,7 +93,7 @@ def test_waiting_requests_open_oldest_first(client: Client, probes: Probes, idle
     # freed in one step open their waiters together, in no order a client can see), and runs
     # on long after: how far each has got is compared while all three run.
     length = probes.tokens_lasting(10.0, positions - 40, least=min(400, positions - 40))
-    rows, fillers = staggered_fill(client, probes, first=160, gap=gap)
+    rows, fillers, _ = staggered_fill(client, probes, first=160, gap=gap)
     waiters = []
     try:
         for i in range(3):
@@ -138,8 +154,7 @@ class NoRoom:
 
 
 def run_no_room(client: Client, probes: Probes) -> NoRoom:
-    first = 120
-    rows, fillers = staggered_fill(client, probes, first=first, gap=24, staggered=1)
+    rows, fillers, first = staggered_fill(client, probes, first=120, gap=24, staggered=1)
     newcomer = None
     seen = NoRoom(rows, first)
     try:
