@@ -152,9 +152,6 @@ class Mux:
                         del open_[sock]
                         selector.unregister(sock)
 
-    def first_data_order(self, indices: list[int]) -> list[int]:
-        return [i for _, i, kind in self.order if kind == "data" and i in indices]
-
 
 def drain(streams: list[RawStream]) -> list[int]:
     """Reads whatever every stream's server has sent by now, then counts each one's events
@@ -197,8 +194,13 @@ class Probes:
 
     client: Client
     _long_extra: dict | None = None
+    _takes: bool | None = None  # whether the server takes ignore_eos, where no facts layer keeps it
     _eos: tuple[str, dict] | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        if self.client.facts is not None:  # an extension: probed before it is sent, unless given
+            self.client.facts.measure_with("ignore_eos", self.takes_ignore_eos)
 
     def takes_ignore_eos(self) -> tuple[bool, str]:
         """Whether the server takes ignore_eos, and what the probe saw (a fact: `ignore_eos`)."""
@@ -213,7 +215,10 @@ class Probes:
         facts = self.client.facts
         if facts is not None:
             return {"ignore_eos": True} if facts.get("ignore_eos") else {}
-        return {"ignore_eos": True} if self.takes_ignore_eos()[0] else {}
+        with self._lock:
+            if self._takes is None:
+                self._takes = self.takes_ignore_eos()[0]
+        return {"ignore_eos": True} if self._takes else {}
 
     def long_extra(self) -> dict:
         """Body fields that keep generation from ending early: ignore_eos where the server

@@ -141,7 +141,6 @@ def client(target: Target) -> Client:
 @pytest.fixture(scope="session")
 def probes(client: Client, facts: Facts) -> Probes:
     probes = Probes(client)
-    facts.measure_with("ignore_eos", probes.takes_ignore_eos)  # an extension: probed before it is sent
     if "rows" not in facts.known:
         from poot.conformance.timing import measure_rows
 

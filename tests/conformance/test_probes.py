@@ -47,7 +47,6 @@ def test_long_requests_carry_an_extension_only_where_the_server_takes_it(takes, 
     seen: list[dict] = []
     client = server(takes, holds, seen)
     probes = Probes(client)
-    client.facts.measure_with("ignore_eos", probes.takes_ignore_eos)
     assert probes.long_params(40) == {"max_tokens": 40, "temperature": 0, **extra}
     assert probes.ignore_eos() == ({"ignore_eos": True} if takes else {})
     probes.long_params(40)
