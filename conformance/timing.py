@@ -25,7 +25,7 @@ FIRST_STREAMS = 48  # streams opened at first; while every one runs, as many mor
 MOST_STREAMS = 512  # the most opened at once, within the client's sockets (and the KV, where published)
 QUIET_S = 1.5  # no new first token for this long (or QUIET_STEPS token gaps): the silent streams are queued
 QUIET_STEPS = 10
-MEASURE_S = 30.0  # each stream is sized to decode about this long alone: it outlives the measurement
+MEASURE_S = 8.0  # each stream is sized to decode about this long alone: it outlives the measurement
 
 
 def stream_bound(client: Client, per_stream: int) -> tuple[int, str]:
@@ -58,7 +58,9 @@ def measure_rows(client: Client, probes: Probes) -> tuple[int, str]:
     """Requests that run at once: long streams opened together, FIRST_STREAMS at first and, as
     long as every one opened runs, as many more again (up to `stream_bound`); those whose
     first token comes before a quiet spell run, the rest are queued. The streams are sized
-    to outlive the measurement, so no row frees up meanwhile."""
+    to outlive the measurement, so no row frees up meanwhile, and are then read to their
+    ends rather than hung up on: a server that runs abandoned requests on (cancel/stream/1's
+    to judge) is left idle for the next clause all the same."""
     facts = client.facts
     positions = facts.get("positions") if facts is not None else None
     prompt_chars = 16
@@ -81,6 +83,7 @@ def measure_rows(client: Client, probes: Probes) -> tuple[int, str]:
                                    "rows could not be measured")
             if len(started) < len(streams) or len(streams) >= most:  # some queued (or refused): the rows are found
                 break
+        Mux(streams).run(timeout=60)
     finally:
         for s in streams:
             s.close()
