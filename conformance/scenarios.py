@@ -251,10 +251,15 @@ class Probes:
         """max_tokens for a request that decodes about `seconds` on this server as it runs now,
         within [least, most]: for requests a server may run on to their end after a hang-up,
         long enough to tell a release from an end on a fast server, short enough on a slow
-        one. Timed on a short greedy request, overhead included, so it errs short."""
+        one. Timed on a short greedy request, overhead included, so it errs short. A server
+        that does not serve the timing request gets `least`: the clause then says what it sees
+        of that server."""
         n = 16
         started = time.monotonic()
-        self.client.complete(unique_text(16), **self.long_params(n))
+        try:
+            self.client.complete(unique_text(16), **self.long_params(n))
+        except ServerError:
+            return max(1, min(most, least))
         per_token = max(1e-6, (time.monotonic() - started) / n)
         return max(least, min(most, int(seconds / per_token)))
 
