@@ -62,13 +62,13 @@ class Unavailable(Exception):
 
 def _model():
     """The default model's weights as a step uses them (fused, norms folded) and its plan."""
-    from poot.engine.drivers.numpy_driver import NumpyDriver
+    from poot.engine.drivers.cpu import CpuDriver
     from poot.engine.models import load_model
     from poot.engine.models.llama import prepare
     from poot.engine.plan import fit_plan
 
     model = load_model(None)
-    driver = NumpyDriver()
+    driver = CpuDriver()
     plan = fit_plan(driver.device(), model.config, driver.weight_bytes(model), model.name)
     w = prepare(model.config, model.weights, plan.positions)
     names = ("wqkv", "wo", "w_gate_up", "w_down")
@@ -148,26 +148,31 @@ class Library:
 class Driver(Library):
     def __init__(self, config, prepared):
         super().__init__(config, prepared)
-        from poot.engine.drivers import cpu_kernels
+        from poot.engine.drivers.cpu.glue import Glue
+        from poot.engine.drivers.cpu.platform import mkl
+        from poot.engine.drivers.cpu.products import ModelProducts
+        from poot.engine.drivers.cpu.runtime import shared
 
-        if not cpu_kernels.available():
-            raise Unavailable(cpu_kernels.unavailable_reason())
-        self.kernels = cpu_kernels.Kernels(step_weights(prepared), head=prepared.lm_head)
+        runtime = shared()
+        if not runtime.available():
+            raise Unavailable(runtime.unavailable_reason())
+        weights = {f"w{i}": w for i, w in enumerate(step_weights(prepared))} | {"lm_head": prepared.lm_head}
+        self.names = {id(w): name for name, w in weights.items()}
+        self.products = ModelProducts(weights, [n for n in weights if n != "lm_head"], runtime, head="lm_head")
+        self.glue = Glue(runtime, shared_pool=mkl.available())
 
     def product(self, w, head):
-        if head:
-            return lambda x: self.kernels.head(w, x)
-        return lambda x: self.kernels.matmul(w, x)
+        return self.products[self.names[id(w)]].run  # the head's logits token-major
 
     def attention(self, q, k, v):
-        from poot.engine.drivers import cpu_attention
+        from poot.engine.drivers.cpu import attention
 
         c = self.config
         prompt = q.shape[2]
         blocks = -(-prompt // 16)
         caches = []
         for layer in range(c.num_layers):  # a cache per layer, as a step reads them
-            cache = np.zeros(cpu_attention.kv_cache_shape({"kv_heads": c.num_kv_heads, "head_dim": c.head_dim}, blocks, 16), np.float32)
+            cache = np.zeros(attention.kv_cache_shape({"kv_heads": c.num_kv_heads, "head_dim": c.head_dim}, blocks, 16), np.float32)
             cache[0].reshape(c.num_kv_heads, -1, c.head_dim)[:, :prompt] = k[layer]
             cache[1].reshape(c.num_kv_heads, -1, c.head_dim)[:, :prompt] = v[layer]
             caches.append(cache)
@@ -176,8 +181,8 @@ class Driver(Library):
 
         def run():
             for layer in range(c.num_layers):
-                cpu_attention.attention(np, qs[layer], caches[layer], None, [(0, prompt, prompt, table, None)],
-                                c.num_kv_heads, self.kernels)
+                attention.attention(np, qs[layer], caches[layer], None, [(0, prompt, prompt, table, None)],
+                                    c.num_kv_heads, self.glue)
         return run
 
 
@@ -189,7 +194,7 @@ class OpenBLAS(Library):
 class MKL(Library):
     def __init__(self, config, prepared):
         super().__init__(config, prepared)
-        from poot.engine.drivers import mkl_products
+        from poot.engine.drivers.cpu.platform import mkl as mkl_products
 
         if not mkl_products.available():
             raise Unavailable(mkl_products.unavailable_reason())

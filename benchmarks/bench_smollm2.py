@@ -12,7 +12,7 @@ each ratio uses the best ceilings seen in the run), on all BLAS threads as the e
 - integer dot ceiling (compact path, AVX-512 VNNI CPUs): vpdpwssd alone on registers, every
   thread (dot_ceiling.py): the most multiply-adds a second the block-code products can reach.
 Then, from the same process, the default model (SmolLM2-135M-Instruct, float32) on the
-NumpyDriver with the plan the engine would fit:
+CpuDriver with the plan the engine would fit:
 - model load: cold (parse + dequantize the GGUF, cache off) and cached (~/.cache/poot);
 - a decode step at 1, 8, 32 and the plan's full rows, every row at CONTEXT tokens of its own
   (distinct KV blocks, filled by a real prefill);
@@ -88,7 +88,7 @@ class Ceilings:
         self.gemm = 0.0
 
     def sample(self, seconds: float = 0.5) -> tuple[float, float]:
-        from poot.engine.drivers import mkl_products
+        from poot.engine.drivers.cpu.platform import mkl as mkl_products
 
         bw = self.a.nbytes / min(_timeit(lambda: self.a @ self.x, seconds / 2, min_repeats=3))
         gemm = 2 * 2048**3 / min(_timeit(lambda: self.m @ self.m, seconds / 2, min_repeats=3))
@@ -124,13 +124,13 @@ def load_times(cold: bool) -> tuple[float | None, float, object]:
 
 class Bench:
     def __init__(self, model, context: int, block_codes: bool = True, scatter: bool = False):
-        from poot.engine.drivers.numpy_driver import NumpyDriver
+        from poot.engine.drivers.cpu import CpuDriver
         from poot.engine.plan import fit_plan
 
         self.model = model
         self.config = model.config
         self.context = context
-        self.driver = NumpyDriver(compact=block_codes)
+        self.driver = CpuDriver(compact=block_codes)
         weight_bytes = self.driver.weight_bytes(model)
         self.plan = fit_plan(self.driver.device(), model.config, weight_bytes, model.name)
         t = time.perf_counter()
@@ -198,19 +198,20 @@ class Bench:
         MKL or BLAS), with nothing between them: what any step over this BLAS and these kernels
         costs at least. Returns a callable."""
         d = self.driver
-        mm = d.kernels.matmul if d.kernels is not None else np.matmul
+        def mm(name, x):
+            return d.products[name].run(x) if d.products is not None else np.matmul(d.weights[name], x)
+
         c = self.config
         x = np.full((c.hidden_size, tokens), 0.01, np.float32)
         act = np.full((c.intermediate_size, tokens), 0.01, np.float32)
 
         def run():
-            w = d.weights
             for i in range(c.num_layers):
-                mm(w[f"layers.{i}.wqkv"], x)
-                mm(w[f"layers.{i}.wo"], x)
-                mm(w[f"layers.{i}.w_gate_up"], x)
-                mm(w[f"layers.{i}.w_down"], act)
-            return mm(w["lm_head"], x[:, :logits])
+                mm(f"layers.{i}.wqkv", x)
+                mm(f"layers.{i}.wo", x)
+                mm(f"layers.{i}.w_gate_up", x)
+                mm(f"layers.{i}.w_down", act)
+            return mm("lm_head", x[:, :logits])
         return run
 
     # ---- bounds -------------------------------------------------------------------------
@@ -224,13 +225,12 @@ class Bench:
 
     def weight_bytes_for(self, tokens: int) -> int:
         """Bytes of weights a step of `tokens` tokens reads: the block codes' where the path the
-        driver chose for that many tokens reads them (cpu_block_products), else float32."""
-        k = self.driver.kernels
-        if k is None or not k.blocks:
+        driver chose for that many tokens reads them (cpu/products/), else float32."""
+        products = self.driver.products
+        if products is None or not products.coded:
             return self.weight_bytes_per_step()
-        coded = {id(w): p for w, p in k._blocks.values()}
         names = [n for n, w in self.driver.weights.items() if w.ndim == 2 and n != "embed"]
-        return sum(coded[id(self.driver.weights[n])].bytes_read(tokens) if id(self.driver.weights[n]) in coded
+        return sum(p.bytes_read(tokens) if (p := products.get(n)) is not None and p.quantized
                    else self.driver.weights[n].nbytes for n in names)
 
     def kv_bytes(self, context: int) -> int:
@@ -312,7 +312,7 @@ def run(args) -> dict:
 
     lines.append(f"machine: {os.cpu_count()} cpus, OPENBLAS_NUM_THREADS={result['threads']}; "
                  f"best bandwidth {bw / 1e9:.1f} GB/s (sgemv, 1 GiB); best GEMM {gemm / 1e9:.0f} GFLOP/s (sgemm 2048^3, "
-                 f"the faster of {'OpenBLAS and MKL' if bench.driver.kernels and bench.driver.kernels.packed else 'OpenBLAS'})")
+                 f"the faster of {'OpenBLAS and MKL' if bench.driver.products and bench.driver.products.packed else 'OpenBLAS'})")
     if ceilings.dot:
         lines.append(f"integer dot ceiling {ceilings.dot / 1e9:.0f} G multiply-adds/s (vpdpwssd alone on registers, "
                      f"every thread: dot_ceiling.py)")

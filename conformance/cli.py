@@ -24,7 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "reference server.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Exit status: 0 when no selected clause failed (result success or partial), 1 when one "
-               "failed, 4 on a usage or traceability error.")
+               "failed, crashed or was not run (the server never started, or stopped serving and could not be "
+               "started again), 4 on a usage or traceability error.")
     p.add_argument("clauses", nargs="*", metavar="CLAUSE", help="clause id prefixes to run, e.g. api/sse loop/commit/stop/2")
     target = p.add_argument_group("target")
     target.add_argument("--base-url", help="URL of a running server (clauses that restart a server are then not supported)")
@@ -33,7 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     target.add_argument("--recurrent-server-cmd", help="command starting the server with a recurrent-state model")
     target.add_argument("--speculative-server-cmd", help="command starting the server with speculative decoding")
     target.add_argument("--startup-timeout", type=float, default=60.0,
-                        help="seconds to wait for /health 200 (or, where /health answers 404, /v1/models 200; default 60)")
+                        help="seconds a starting server may go without being ready (/health 200, or where /health "
+                             "answers 404, /v1/models 200) or reporting new progress in a loading 503 (default 60; "
+                             "one that keeps reporting progress is waited for up to 15 minutes)")
     target.add_argument("--api-key", help="bearer token sent on every request (default: $OPENAI_API_KEY); never "
                                           "printed or written to a report")
     facts = p.add_argument_group("facts", "what the server does not publish itself (rows, positions, token_budget, "

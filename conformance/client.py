@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import select
 import socket
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -29,6 +31,127 @@ def auth_headers(api_key: str | None) -> dict[str, str]:
 
 class ServerError(AssertionError):
     """The server answered something a clause does not allow; the message says what."""
+
+
+# ---- the journal: the last requests sent, for a crash report ------------------------------------
+
+HEAD_BYTES = 240  # of a request body or an answer kept: enough to tell one request from another
+
+
+def _cut(data: bytes | str) -> str:
+    text = data.decode(errors="replace") if isinstance(data, bytes) else data
+    text = " ".join(text.split())
+    return text if len(text) <= HEAD_BYTES else text[: HEAD_BYTES - 3] + "..."
+
+
+@dataclass(slots=True)
+class Sent:
+    """One request as sent, and what came back (filled in as it arrives)."""
+
+    seq: int
+    origin: str  # scheme://host:port of the server it went to
+    method: str
+    path: str
+    body: str  # cut short
+    status: int | None = None
+    answer: bytes = b""  # the first HEAD_BYTES of the answer's body
+    error: str = ""  # the transport error that ended it (refused, reset, cut off)
+
+    @property
+    def failed(self) -> bool:
+        """A 5xx, or no answer at all: what a server that stopped serving gives."""
+        return bool(self.error) or (self.status is not None and self.status >= 500)
+
+    def request_line(self) -> str:
+        return f"{self.method} {self.path}" + (f" {self.body}" if self.body else "")
+
+    def outcome(self) -> str:
+        if self.status is not None:
+            got = f"{self.status}" + (f" {_cut(self.answer)}" if self.answer else "")
+            return got + (f" then {self.error}" if self.error else "")
+        return self.error or "no answer seen"
+
+    def describe(self) -> str:
+        return f"{self.request_line()} -> {self.outcome()}"
+
+
+class Journal:
+    """The last requests the suite sent, to every server, cheaply (a bounded deque; bodies and
+    answers cut short), so a clause during which a server stopped serving can name what it sent
+    and what came back."""
+
+    def __init__(self, keep: int = 256):
+        self._sent: deque[Sent] = deque(maxlen=keep)
+        self._seq = itertools.count()
+
+    def add(self, origin: str, method: str, path: str, body: bytes | str = b"") -> Sent:
+        sent = Sent(next(self._seq), origin.rstrip("/"), method, path, _cut(body))
+        self._sent.append(sent)
+        return sent
+
+    def mark(self) -> int:
+        """A point to list requests from: `since(mark)` gives those sent after it."""
+        return self._sent[-1].seq + 1 if self._sent else 0
+
+    def since(self, mark: int, origin: str) -> list[Sent]:
+        origin = _origin(origin)
+        return [s for s in list(self._sent) if s.seq >= mark and s.origin == origin]
+
+
+def _origin(url: str) -> str:
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.netloc}"
+
+
+JOURNAL = Journal()
+
+
+class _AnswerHead(httpx.SyncByteStream):
+    """An answer's body passed through unchanged, its first bytes (and any error) noted."""
+
+    def __init__(self, inner: httpx.SyncByteStream, sent: Sent):
+        self.inner, self.sent = inner, sent
+
+    def __iter__(self):
+        try:
+            for chunk in self.inner:
+                if len(self.sent.answer) < HEAD_BYTES:
+                    self.sent.answer += chunk[: HEAD_BYTES - len(self.sent.answer)]
+                yield chunk
+        except Exception as e:
+            self.sent.error = f"{type(e).__name__}: {e}"
+            raise
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class Recording(httpx.BaseTransport):
+    """httpx's own transport, each request noted in the journal as it goes."""
+
+    def __init__(self, journal: Journal = JOURNAL):
+        self.journal = journal
+        self.inner = httpx.HTTPTransport()
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        try:
+            body = request.content
+        except httpx.RequestNotRead:
+            body = b"<streamed body>"
+        url = request.url
+        sent = self.journal.add(f"{url.scheme}://{url.netloc.decode()}", request.method,
+                                url.raw_path.decode(errors="replace"), body)
+        try:
+            response = self.inner.handle_request(request)
+        except Exception as e:
+            sent.error = f"{type(e).__name__}: {e}"
+            raise
+        sent.status = response.status_code
+        response.stream = _AnswerHead(response.stream, sent)
+        return response
+
+    def close(self) -> None:
+        self.inner.close()
 
 
 @dataclass(slots=True)
@@ -89,7 +212,8 @@ class Client:
         self.dialect = dialect
         self._model = model
         self.api_key = api_key if api_key is not None else api_key_from_env()
-        self.http = httpx.Client(base_url=self.base_url, timeout=timeout, headers=auth_headers(self.api_key))
+        self.http = httpx.Client(base_url=self.base_url, timeout=timeout, headers=auth_headers(self.api_key),
+                                 transport=Recording())
         self.facts = facts  # poot.conformance.facts.Facts of this server, when discovered
 
     def __repr__(self) -> str:  # never shows the key
@@ -148,7 +272,7 @@ class Client:
         body = body if body is not None else self.body(prompt, stream=True, **params)
         out = Stream(status=0, content_type="", started=time.monotonic())
         with httpx.Client(base_url=self.base_url, timeout=self.timeout,
-                          headers=auth_headers(self.api_key)) as one_off, \
+                          headers=auth_headers(self.api_key), transport=Recording()) as one_off, \
                 one_off.stream("POST", path, json=body) as r:
             out.status, out.content_type = r.status_code, r.headers.get("content-type", "")
             if r.status_code != 200:
@@ -313,10 +437,31 @@ class RawRequest:
         head = (f"POST {parts.path.rstrip('/')}{path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
                 f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n{auth}"
                 "Connection: close\r\n\r\n").encode()
-        self.sock = socket.create_connection((self.host, self.port), timeout=timeout)
-        self.sock.sendall(head + payload)
-        self.received = b""
+        self._received = b""
         self.closed = False
+        self.sent = JOURNAL.add(f"{parts.scheme}://{parts.netloc}", "POST", f"{parts.path.rstrip('/')}{path}", payload)
+        try:
+            self.sock = socket.create_connection((self.host, self.port), timeout=timeout)
+            self.sock.sendall(head + payload)
+        except OSError as e:
+            self.sent.error = f"{type(e).__name__}: {e}"
+            raise
+
+    @property
+    def received(self) -> bytes:
+        return self._received
+
+    @received.setter
+    def received(self, data: bytes) -> None:
+        """What arrived so far (a reader may add to it directly); the answer's head goes to the journal."""
+        self._received = data
+        if len(self.sent.answer) < HEAD_BYTES:
+            self.sent.status = self.status
+            self.sent.answer = data.partition(b"\r\n\r\n")[2][:HEAD_BYTES]
+
+    def _lost(self, e: OSError) -> None:
+        if not self.closed:  # our own hang-up is no error of the server's
+            self.sent.error = f"{type(e).__name__}: {e}"
 
     def read_until(self, marker: bytes, count: int = 1, timeout: float = 30.0) -> bytes:
         """Reads until `marker` has been seen `count` times (or the server closes)."""
@@ -327,6 +472,9 @@ class RawRequest:
                 data = self.sock.recv(65536)
             except TimeoutError as e:
                 raise ServerError(f"no {marker!r} after {timeout:.0f}s") from e
+            except OSError as e:
+                self._lost(e)
+                raise
             if not data:
                 break
             self.received += data
@@ -340,7 +488,8 @@ class RawRequest:
                 break
             try:
                 data = self.sock.recv(65536)
-            except OSError:
+            except OSError as e:
+                self._lost(e)
                 break
             if not data:
                 break
@@ -355,6 +504,9 @@ class RawRequest:
                 data = self.sock.recv(65536)
             except TimeoutError:
                 return self.received
+            except OSError as e:
+                self._lost(e)
+                raise
             if not data:
                 return self.received
             self.received += data

@@ -11,7 +11,8 @@ import json
 import sys
 from pathlib import Path
 
-MARKS = {"passed": "pass", "failed": "**fail**", "not_supported": "n/s"}
+MARKS = {"passed": "pass", "failed": "**fail**", "not_supported": "n/s", "crashed": "**crashed**",
+         "not_run": "not run"}
 
 
 def _short(text: str, limit: int = 160) -> str:
@@ -23,6 +24,16 @@ def _minutes(seconds: float | None) -> str:
     if seconds is None:
         return "-"
     return f"{int(seconds // 60)} min {int(seconds % 60)} s" if seconds >= 60 else f"{seconds:.0f} s"
+
+
+def _stops(report: dict) -> str:
+    """How often the server stopped serving in a run, and at which clauses."""
+    if report.get("not_started"):
+        return "never started"
+    crashes = report.get("crashes") or []
+    if not crashes:
+        return "-"
+    return f"{len(crashes)}x: " + ", ".join(f"`{c['clause']}`" for c in crashes)
 
 
 def matrix(reports: list[dict], names: list[str]) -> str:
@@ -41,7 +52,7 @@ def matrix(reports: list[dict], names: list[str]) -> str:
                 order.append(c["id"])
         cells.append(by_id)
     lines = ["| clause | title | source | " + " | ".join(names) + " |", "|---|---|---|" + "---|" * len(names)]
-    notes: list[str] = []
+    notes: dict[tuple[str, str], list[str]] = {}  # (server, reason) -> its clauses: one note per reason
     for cid in order:
         row = []
         for name, by_id in zip(names, cells, strict=True):
@@ -51,22 +62,31 @@ def matrix(reports: list[dict], names: list[str]) -> str:
                 continue
             mark = MARKS.get(c["outcome"], c["outcome"])
             if c["outcome"] != "passed" and c.get("why"):
-                notes.append(f"{len(notes) + 1}. `{cid}` on {name}: {_short(c['why'], 300)}")
-                mark += f" [{len(notes)}]"
+                clauses = notes.setdefault((name, _short(c["why"], 300)), [])
+                clauses.append(cid)
+                mark += f" [{list(notes).index((name, _short(c['why'], 300))) + 1}]"
             row.append(mark)
         lines.append(f"| `{cid}` | {_short(titles[cid], 80)} | {sources[cid]} | " + " | ".join(row) + " |")
     totals = []
     for report in reports:
         s = report.get("summary", {})
         choices = len(report.get("failed_design_choices", []))
-        totals.append(f"{s.get('passed', 0)} passed, {s.get('failed', 0)} failed"
-                      + (f" ({choices} of them design choices)" if choices else "") + f", {s.get('not_supported', 0)} n/s")
+        total = f"{s.get('passed', 0)} passed, {s.get('failed', 0)} failed" + (
+            f" ({choices} of them design choices)" if choices else "") + f", {s.get('not_supported', 0)} n/s"
+        for key in ("crashed", "not_run"):  # older reports have neither
+            if s.get(key):
+                total += f", {s[key]} {key.replace('_', ' ')}"
+        totals.append(total)
     lines.append("| | **total** | | " + " | ".join(totals) + " |")
+    if any(r.get("crashes") or r.get("not_started") for r in reports):
+        lines.append("| | server stopped serving | | " + " | ".join(_stops(r) for r in reports) + " |")
     if any("duration_s" in r for r in reports):
         lines.append("| | run took | | " + " | ".join(_minutes(r.get("duration_s")) for r in reports) + " |")
     out = "\n".join(lines)
     if notes:
-        out += "\n\n" + "\n".join(notes)
+        out += "\n\n" + "\n".join(
+            f"{i}. `{clauses[0]}` on {name}: {why}" if len(clauses) == 1 else f"{i}. on {name}, {len(clauses)} clauses: {why}"
+            for i, ((name, why), clauses) in enumerate(notes.items(), 1))
     return out + "\n"
 
 

@@ -1,9 +1,10 @@
 """Expectations: the outcome a server is known to get per clause, so CI fails on a change.
 
-A file maps clause ids to an expected outcome (passed, failed, not_supported) and a one-line
-reason, as web-platform-tests keeps expectation files beside its tests. A clause the file does
+A file maps clause ids to an expected outcome (passed, failed, not_supported, crashed, not_run)
+and a one-line reason, as web-platform-tests keeps expectation files beside its tests. A clause the file does
 not name is expected to pass. A run held to a file succeeds when every result matches; a
-regression (expected to pass, now failed) is listed first, unexpected passes are listed too.
+regression (expected to pass, now failed or crashed) is listed first, unexpected passes are
+listed too.
 
     # poot-conformance expectations
     target: llama-server ...
@@ -51,8 +52,8 @@ def load(path: str | Path) -> dict[str, Expected]:
         try:
             outcome = Outcome(str(raw).replace(" ", "_"))
         except ValueError as e:
-            raise ExpectationsError(f"{path}: {cid}: expected must be passed, failed or not_supported, "
-                                    f"got {raw!r}") from e
+            raise ExpectationsError(f"{path}: {cid}: expected must be one of "
+                                    f"{', '.join(o.value for o in Outcome)}, got {raw!r}") from e
         fields = entry if isinstance(entry, dict) else {}
         out[str(cid)] = Expected(outcome, str(fields.get("reason") or ""), str(fields.get("confirmed") or ""))
     return out
@@ -95,7 +96,7 @@ class Change:
 @dataclass(slots=True)
 class Verdict:
     path: str
-    regressions: list[Change] = field(default_factory=list)  # expected passed, now failed
+    regressions: list[Change] = field(default_factory=list)  # expected passed, now failed or crashed
     unexpected_passes: list[Change] = field(default_factory=list)
     other: list[Change] = field(default_factory=list)  # any other difference
     matched: int = 0
@@ -107,7 +108,7 @@ class Verdict:
     def describe(self) -> str:
         total = self.matched + len(self.regressions) + len(self.unexpected_passes) + len(self.other)
         lines = [f"Expectations ({self.path}): {self.matched} of {total} clauses as expected"]
-        for title, changes in (("Regressions (expected to pass, now failed)", self.regressions),
+        for title, changes in (("Regressions (expected to pass, now failed or crashed)", self.regressions),
                                ("Other differences", self.other),
                                ("Unexpected passes (update the expectations)", self.unexpected_passes)):
             if changes:
@@ -128,7 +129,7 @@ def judge(report: RunReport, expected: dict[str, Expected], path: str = "") -> V
             verdict.matched += 1
             continue
         change = Change(r.clause.id, want.outcome, r.outcome, r.why, want.reason)
-        if want.outcome is Outcome.PASSED and r.outcome is Outcome.FAILED:
+        if want.outcome is Outcome.PASSED and r.outcome in (Outcome.FAILED, Outcome.CRASHED):
             verdict.regressions.append(change)
         elif r.outcome is Outcome.PASSED:
             verdict.unexpected_passes.append(change)

@@ -19,10 +19,12 @@ from . import expectations
 from .clauses import PROFILES, SUITE_DIR, Spec, load_spec
 from .client import api_key_from_env
 from .facts import FACTS_KEY
-from .outcomes import NotSupported, Outcome, worst
+from .life import LIFE, START_FAILURE, Crash
+from .outcomes import NotRun, NotSupported, Outcome, worst
 from .report import ClauseResult, RunReport, to_json, to_junit, to_markdown, to_terminal
 
 STATE = pytest.StashKey["RunState"]()
+CRASH = pytest.StashKey[Crash]()  # on a test during which the server stopped serving
 
 
 @dataclass(slots=True)
@@ -67,7 +69,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     g.addoption("--poot-recurrent-server-cmd", help="command that starts the server with a recurrent-state model")
     g.addoption("--poot-speculative-server-cmd", help="command that starts the server with speculative decoding")
     g.addoption("--poot-examples", type=int, default=25, help="examples per property test")
-    g.addoption("--poot-startup-timeout", type=float, default=60.0, help="seconds to wait for /health 200")
+    g.addoption("--poot-startup-timeout", type=float, default=60.0,
+                help="seconds a starting server may go without being ready or reporting new progress")
     g.addoption("--poot-expectations", help="expectations file: the run succeeds when every result matches it")
     g.addoption("--poot-write-expectations", help="write the run's results here as an expectations baseline")
     g.addoption("--poot-report", action="store_true", help="print the per-clause listing (on by default in poot-conformance)")
@@ -77,6 +80,9 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "clause(*ids): the spec clauses a conformance test checks")
     config.addinivalue_line("markers", "disruptive: may leave the shared server unusable; runs last")
     config.stash[STATE] = RunState(load_spec())
+    command = config.getoption("poot_server_cmd", None)
+    if command and "{port}" not in command and not config.getoption("poot_base_url", None):
+        raise pytest.UsageError("--server-cmd needs a {port} placeholder, or --base-url to say where it listens")
     if path := config.getoption("poot_expectations", None):
         try:  # read now, not after a run that may last half an hour
             expectations.load(path)
@@ -136,9 +142,30 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     items[:] = keep
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Before any fixture of a clause: a fresh server if the last one stopped serving, or the
+    clause is not run."""
+    life = item.config.stash.get(LIFE, None)
+    if life is not None and item.nodeid in item.config.stash[STATE].clauses_of:
+        life.begin()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
+    """After a clause, before its fixtures end (and the session's with the last one): did the
+    server stop serving during it?"""
+    life = item.config.stash.get(LIFE, None)
+    if life is not None and item.nodeid in item.config.stash[STATE].clauses_of:
+        crash = life.end(", ".join(clause_ids(item)))
+        if crash is not None:
+            item.stash[CRASH] = crash
+    return (yield)
+
+
 def _why(excinfo: pytest.ExceptionInfo) -> str:
     exc = excinfo.value
-    if isinstance(exc, NotSupported):
+    if isinstance(exc, NotSupported | NotRun):
         return exc.reason
     text = str(exc).strip() or excinfo.typename
     if isinstance(exc, AssertionError):
@@ -165,9 +192,16 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
         return report
     result = state.results.setdefault(item.nodeid, TestResult())
     result.duration += call.duration
+    crash = item.stash.get(CRASH, None) if call.when == "teardown" else None
+    if crash is not None:  # whatever the clause itself saw, the server stopped serving under it
+        saw = f"; the clause saw: {result.why}" if result.why and result.outcome is not Outcome.PASSED else ""
+        result.outcome, result.why = Outcome.CRASHED, crash.reason() + saw
+        return report
     if call.excinfo is None:
         return report
-    if call.excinfo.errisinstance(NotSupported) or report.skipped:
+    if call.excinfo.errisinstance(NotRun):
+        outcome, why = Outcome.NOT_RUN, _why(call.excinfo)
+    elif call.excinfo.errisinstance(NotSupported) or report.skipped:
         outcome = Outcome.NOT_SUPPORTED
         why = _why(call.excinfo) if call.excinfo.errisinstance(NotSupported) else f"skipped: {call.excinfo.value}"
     else:
@@ -199,10 +233,13 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     target = (config.getoption("poot_base_url") or config.getoption("poot_server_cmd")
               or "bundled reference server")
     facts = config.stash.get(FACTS_KEY, None)
+    life = config.stash.get(LIFE, None)
+    crashes = [redact_all(c.as_dict()) for c in (life.crashes if life is not None else [])]
     state.report = RunReport(results, target=redact(target), profiles=profiles_of(config),
                              strict=config.getoption("poot_strict"),
                              duration=time.monotonic() - state.started,
-                             facts=facts.report() if facts is not None else {})
+                             facts=facts.report() if facts is not None else {},
+                             crashes=crashes, not_started=redact(config.stash.get(START_FAILURE, "")))
     if path := config.getoption("poot_expectations"):
         try:
             expected = expectations.load(path)
@@ -229,6 +266,16 @@ def redact(text: str) -> str:
     """The API key never reaches a report or the terminal."""
     key = api_key_from_env()
     return text.replace(key, "***") if key and text else text
+
+
+def redact_all(data):
+    if isinstance(data, str):
+        return redact(data)
+    if isinstance(data, dict):
+        return {k: redact_all(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [redact_all(v) for v in data]
+    return data
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:

@@ -21,10 +21,16 @@ Conventions every op below uses:
   is `Program.eps`.
 - `layer`: the layer whose KV cache (paged ops) or recurrent state (state ops) the op
   touches; -1 for none. A driver allocates one cache or one state per layer it finds here.
+- Fused ops (FUSED_OPS): one op a family names for a run of the ops above, its `parts`,
+  listed once in the family's program. The parts define it: a driver with a kernel for the
+  whole run takes it by the op's name and must give what the parts give; any other runs the
+  parts (`Program.unfused()`). So a driver never matches a family's ops against a copy of
+  its own, and a program edited inside a fused op keeps its drivers' fast path.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 # The vocabulary: each op's name and exactly what it computes.
@@ -95,27 +101,53 @@ VOCABULARY: dict[str, str] = {
         engine/random_stream.py's Philox stream (key, choice) at that counter (top-k with
         ties kept, temperature, softmax, top-p by whole probability levels, inverse CDF in
         token id order), computed in float32.""",
+    "llama_layer": """A Llama decoder layer (engine/models/llama.py lists its parts): what its parts
+        compute, run in order. reads (x,), writes x (the residual stream the parts add to);
+        weights: its parts' in order; layer: the layer whose KV cache its parts touch.""",
 }
 
 PAGED_OPS = frozenset({"rope_kv_write", "paged_attention"})  # touch the layer's KV cache
 STATE_OPS = frozenset({"conv", "conv_state", "scan"})  # touch the layer's recurrent state
+FUSED_OPS = frozenset({"llama_layer"})  # made of other ops, its `parts`
 
 
 @dataclass(slots=True, frozen=True)
 class Op:
     """One op of a step: `name` from VOCABULARY, the activation buffers it reads, the one it
-    writes or accumulates into ("" for none), the prepared weights it uses, and the layer
-    whose KV cache or recurrent state it touches (-1: none)."""
+    writes or accumulates into ("" for none), the prepared weights it uses, the layer
+    whose KV cache or recurrent state it touches (-1: none), and for a fused op its parts."""
 
     name: str
     reads: tuple[str, ...] = ()
     writes: str = ""
     weights: tuple[str, ...] = ()
     layer: int = -1
+    parts: tuple[Op, ...] = ()
 
     def __post_init__(self):
         if self.name not in VOCABULARY:
             raise ValueError(f"unknown op {self.name!r}")
+        if self.parts and self.name not in FUSED_OPS:
+            raise ValueError(f"{self.name!r} takes no parts")
+        if not self.parts and self.name in FUSED_OPS:
+            raise ValueError(f"{self.name!r} is made of parts; none were given")
+
+
+def fused(name: str, parts: list[Op], layer: int = -1) -> Op:
+    """The fused op `name` standing for `parts`: it reads what they read before any of them
+    writes it, writes what the last one writes, and uses their weights in order."""
+    reads: list[str] = []
+    written: set[str] = set()
+    for part in parts:
+        reads += [r for r in part.reads if r not in written and r not in reads]
+        written.add(part.writes)
+    weights = tuple(dict.fromkeys(w for part in parts for w in part.weights))
+    return Op(name, tuple(reads), parts[-1].writes, weights, layer, tuple(parts))
+
+
+def unfused(ops: tuple[Op, ...]) -> tuple[Op, ...]:
+    """The ops with every fused op replaced by its parts, in order."""
+    return tuple(part for op in ops for part in (unfused(op.parts) if op.parts else (op,)))
 
 
 # Every program ends in the head's logits; a device that picks adds this op after them.
@@ -133,20 +165,25 @@ class Program:
     dims: dict[str, int] = field(default_factory=dict)
     eps: float = 1e-5
 
+    def unfused(self) -> Program:
+        """The same step with every fused op replaced by its parts: what a driver without a
+        kernel for a fused op runs."""
+        return dataclasses.replace(self, ops=unfused(self.ops))
+
     @property
     def paged(self) -> bool:
         """The step reads and writes a paged KV cache (rows need block tables)."""
-        return any(op.name in PAGED_OPS for op in self.ops)
+        return any(op.name in PAGED_OPS for op in unfused(self.ops))
 
     @property
     def recurrent(self) -> bool:
         """The step carries per-row state (a row a new sequence opens starts from zero)."""
-        return any(op.name in STATE_OPS for op in self.ops)
+        return any(op.name in STATE_OPS for op in unfused(self.ops))
 
     def layers(self, kinds: frozenset[str]) -> list[int]:
         """The layers whose cache or state the ops of `kinds` touch, in order."""
-        return sorted({op.layer for op in self.ops if op.name in kinds and op.layer >= 0})
+        return sorted({op.layer for op in unfused(self.ops) if op.name in kinds and op.layer >= 0})
 
     def weight_names(self) -> list[str]:
         """Every weight the program uses, once each, in first use order."""
-        return list(dict.fromkeys(w for op in self.ops for w in op.weights))
+        return list(dict.fromkeys(w for op in unfused(self.ops) for w in op.weights))

@@ -43,8 +43,6 @@ def missing(backend: str) -> str | None:
             cupy_device.check_toolchain(backend)
         except cupy_device.NoDevice as e:
             return str(e)
-        if backend == "rocm":  # a ROCm device, but nothing to run on it yet
-            return "the rocm driver has no kernels yet: engine/drivers/cuda's have no HIP build"
         return None
     from poot.engine.drivers.wgpu_driver import NoAdapter, pick_adapter
 
@@ -61,9 +59,9 @@ def driver_factory(backend: str):
     if reason:
         pytest.skip(reason)
     if backend == "numpy":
-        from poot.engine.drivers.numpy_driver import NumpyDriver
+        from poot.engine.drivers.cpu import CpuDriver
 
-        return NumpyDriver
+        return CpuDriver
     if backend in CUPY:
         from poot.engine.drivers.cupy_driver import CupyDriver
 

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
+import sys
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import httpx
 import pytest
 
-from poot.conformance.client import Client
+from poot.conformance.client import Client, api_key_from_env, auth_headers
 from poot.conformance.facts import FACTS_KEY, Facts, FactsError, read_given
-from poot.conformance.outcomes import NotSupported
+from poot.conformance.life import LIFE, NOT_STARTED, START_FAILURE, Life
+from poot.conformance.outcomes import NotRun, NotSupported
 from poot.conformance.scenarios import Probes, unique_text
 from poot.conformance.target import (
     BUNDLED_MODEL,
@@ -21,6 +25,9 @@ from poot.conformance.target import (
     ServerProcess,
     ServerStartError,
     bundled_command,
+    describe_loading,
+    loading_body,
+    wait_ready,
 )
 
 
@@ -33,8 +40,13 @@ class Target:
     command: ServerCommand | None  # None: only a URL was given
     bundled: bool
     options: pytest.Config
-    process: ServerProcess | None = None
+    life: Life
     _extra: dict[str, tuple[ServerProcess, Client] | Exception] = field(default_factory=dict)
+
+    @property
+    def process(self) -> ServerProcess | None:
+        """The shared server's process, where the suite started it (a fresh one after a crash)."""
+        return self.life.process
 
     @property
     def step_slack(self) -> int:
@@ -69,7 +81,7 @@ class Target:
         else:
             return NotSupported(f"needs a {name} server: pass --{name}-server-cmd")
         try:
-            process = command.start()
+            process = command.start(on_progress=starting(self.options, f"{name} server"))
         except ServerStartError as e:
             if given:
                 return AssertionError(f"the {name} server did not start: {e}")
@@ -82,8 +94,54 @@ class Target:
                 got[1].close()
                 got[0].stop()
         self.client.close()
-        if self.process is not None:
-            self.process.stop()
+        self.life.close()
+
+
+PROGRESS_EVERY_S = 10.0
+
+
+def starting(config: pytest.Config, what: str) -> Callable[[dict], None]:
+    """Says on the console (past pytest's capture) how a starting server is getting on: at each
+    new phase, and at most every PROGRESS_EVERY_S seconds otherwise."""
+    said = {"phase": None, "at": 0.0}
+    capture = config.pluginmanager.getplugin("capturemanager")
+
+    def show(body: dict) -> None:
+        now = time.monotonic()
+        if body.get("phase") == said["phase"] and now - said["at"] < PROGRESS_EVERY_S:
+            return
+        said.update(phase=body.get("phase"), at=now)
+        with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
+            print(f"poot-conformance: the {what} is starting: {describe_loading(body)}", file=sys.stderr, flush=True)
+
+    return show
+
+
+def reachable_or_starting(url: str) -> bool:
+    """Whether a server given by URL answers, other than to say it is still starting."""
+    try:
+        r = httpx.get(url.rstrip("/") + "/health", timeout=5.0, headers=auth_headers(api_key_from_env()))
+    except httpx.TimeoutException:
+        return True  # it answers, slowly: the clauses judge that
+    except httpx.HTTPError:
+        return False
+    return loading_body(r.status_code, r.text) is None
+
+
+def start_target(pytestconfig: pytest.Config, command: ServerCommand | None, url: str | None,
+                 timeout: float) -> ServerProcess | None:
+    """Starts the server under test (or, for a URL, waits while it says it is starting). One
+    that never gets ready is reported once, at the top of the report (START_FAILURE), and every
+    clause is then not run."""
+    try:
+        if command is not None:
+            return command.start(url=url, on_progress=starting(pytestconfig, "server"))
+        if not reachable_or_starting(url):
+            wait_ready(url, timeout, on_progress=starting(pytestconfig, "server"))
+    except ServerStartError as e:
+        pytestconfig.stash[START_FAILURE] = str(e)
+        raise NotRun(NOT_STARTED) from None
+    return None
 
 
 @pytest.fixture(scope="session")
@@ -103,14 +161,9 @@ def target(pytestconfig: pytest.Config) -> Iterator[Target]:
         # that api/auth/1 is judged too; the suite's clients send it.
         os.environ["OPENAI_API_KEY"] = os.environ["POOT_API_KEY"] = secrets.token_urlsafe(24)
     command = ServerCommand(bundled_command() if bundled else cmd, timeout) if (cmd or bundled) else None
-    process = None
-    if command is not None:
-        if not command.has_port and not url:
-            raise pytest.UsageError("--server-cmd needs a {port} placeholder, or --base-url to say where it listens")
-        process = command.spawn()
-        process.wait_healthy(timeout)
-        if url is None:
-            url = process.url
+    process = start_target(pytestconfig, command, url, timeout)
+    if url is None:
+        url = process.url
     client = Client(url, model=model)
     facts = Facts.discover(client.http, given=given, dialect=dialect, command=command.template if command else None)
     pytestconfig.stash[FACTS_KEY] = facts
@@ -123,7 +176,10 @@ def target(pytestconfig: pytest.Config) -> Iterator[Target]:
         facts.learn_answer(client.complete(unique_text(12), max_tokens=1))
     except (AssertionError, httpx.HTTPError, ValueError, KeyError, TypeError):
         pass  # the api/* clauses say what is wrong with the answers
-    t = Target(client, facts, command, bundled, pytestconfig, process)
+    life = Life(url, command=command, process=process, model=lambda: client.model,
+                on_progress=starting(pytestconfig, "server"))
+    pytestconfig.stash[LIFE] = life
+    t = Target(client, facts, command, bundled, pytestconfig, life)
     yield t
     t.close()
 

@@ -1,11 +1,12 @@
 """One driver per backend. `auto` picks the best backend this machine has.
 
-    numpy    the CPU driver (NumPy, numba kernels, MKL's packed products)
+    numpy    the CPU driver (cpu/: NumPy, numba kernels, MKL's packed products)
     wgpu     WebGPU through wgpu-py on any adapter (Vulkan, Metal, DX12, or a CPU one)
     vulkan   the same driver, on a Vulkan adapter only; start-up fails without one
     ptx      CUDA through CuPy: engine/drivers/cuda's kernels and cuBLAS (pip install 'poot[ptx]')
-    rocm     the CuPy driver on ROCm (HIP); its kernels have no HIP build yet, so prepare refuses
-    auto     a CUDA device through CuPy, else a hardware GPU adapter through wgpu, else numpy
+    rocm     the CuPy driver on ROCm (HIP): the same kernels built by hiprtc, hipBLAS (pip install 'poot[rocm]')
+    auto     a CUDA device through CuPy, else a hardware GPU adapter through wgpu, else numpy (never
+             rocm, which has not yet run on AMD hardware)
 """
 
 from __future__ import annotations
@@ -40,9 +41,9 @@ def make_driver(backend: str = "auto") -> Driver:
             from .wgpu_driver import WgpuDriver
 
             return WgpuDriver("wgpu", hardware[0])
-    from .numpy_driver import NumpyDriver
+    from .cpu import CpuDriver
 
-    return NumpyDriver()
+    return CpuDriver()
 
 
 def _cuda_driver() -> Driver | None:

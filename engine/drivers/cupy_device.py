@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from ..plan import DeviceInfo
 
 PLATFORM = {"ptx": "CUDA", "rocm": "ROCm (HIP)"}
-INSTALL = {"ptx": "pip install 'poot[ptx]'", "rocm": "install CuPy built for ROCm (cupy-rocm-*)"}
+INSTALL = {"ptx": "pip install 'poot[ptx]'",
+           "rocm": "pip install 'poot[rocm]' (CuPy for ROCm 7.0) on a machine with ROCm 7 and an AMD GPU"}
 
 # The plan takes this share of the memory free when the driver starts: cuBLAS keeps a
 # workspace per handle and stream, the loaded kernels and the CUDA context grow after the
@@ -61,17 +62,28 @@ class Probe:
     multiprocessors: int
     compute_capability: tuple[int, int]
     hip: bool = False
+    lanes: int = 32  # threads of a warp (CUDA) or wavefront (HIP: 64 on CDNA, 32 on RDNA)
+    arch: str = ""  # HIP: the gcnArchName hiprtc builds for (gfx90a:sramecc+:xnack-, ...)
 
 
 def _cupy(backend: str):
     try:
         import cupy
-    except ImportError:
+    except ModuleNotFoundError as e:
+        if e.name != "cupy":
+            raise NoDevice(f"--backend {backend}: CuPy does not import ({_last_line(e)}); {INSTALL[backend]}") \
+                from None
         raise NoDevice(f"--backend {backend}: CuPy is not installed; {INSTALL[backend]}") from None
-    except Exception as e:  # a wheel for another CUDA, a missing shared library
-        raise NoDevice(f"--backend {backend}: CuPy does not import ({type(e).__name__}: {e}); "
-                       f"{INSTALL[backend]}") from None
+    except Exception as e:  # a wheel for another CUDA or ROCm, a missing shared library
+        raise NoDevice(f"--backend {backend}: CuPy does not import ({_last_line(e)}); {INSTALL[backend]}") from None
     return cupy
+
+
+def _last_line(error: BaseException) -> str:
+    """An error's gist on one line: CuPy's import failure is a framed paragraph whose last
+    line is the original error (the shared library that did not load)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip() and not line.strip().startswith("==")]
+    return lines[-1][:200] if lines else type(error).__name__
 
 
 def probe(backend: str) -> Probe:
@@ -97,16 +109,24 @@ def probe(backend: str) -> Probe:
         raise
     except Exception as e:  # CUDARuntimeError: cudaErrorInsufficientDriver, cudaErrorNoDevice, ...
         raise NoDevice(f"--backend {backend}: no usable {PLATFORM[backend]} device: {e}") from None
-    name = props["name"]
-    name = name.decode(errors="replace") if isinstance(name, bytes) else str(name)
-    return Probe(name, int(total), int(free), int(props["multiProcessorCount"]),
-                 (int(props["major"]), int(props["minor"])), hip)
+    return Probe(_text(props["name"]), int(total), int(free), int(props["multiProcessorCount"]),
+                 (int(props["major"]), int(props["minor"])), hip, int(props.get("warpSize", 32)),
+                 _text(props.get("gcnArchName", "")) if hip else "")
+
+
+def _text(value) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
+def gcn_arch(cupy) -> str:
+    """The current HIP device's architecture as hiprtc names it."""
+    return _text(cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["gcnArchName"])
 
 
 def check_toolchain(backend: str) -> None:
     """What prepare() needs besides the device, checked at start-up so that `auto` never
-    picks a driver that cannot prepare: cuBLAS (the products), NVRTC and the CUDA headers
-    (the kernels' compile)."""
+    picks a driver that cannot prepare: cuBLAS or hipBLAS (the products), and the kernels'
+    compiler: NVRTC and the CUDA headers, or hiprtc."""
     try:
         from cupy_backends.cuda.libs import cublas  # noqa: F401  (loads libcublas)
     except Exception as e:
@@ -123,11 +143,23 @@ def check_toolchain(backend: str) -> None:
         except Exception as e:
             raise NoDevice(f"--backend {backend}: the kernels cannot be compiled here ({e}); "
                            f"{INSTALL[backend]}") from None
+    else:
+        try:
+            from cupy_backends.cuda.libs import nvrtc  # hiprtc's binding on ROCm
+
+            nvrtc.getVersion()
+        except Exception as e:
+            raise NoDevice(f"--backend {backend}: hiprtc does not load ({' '.join(str(e).split())[:200]}); "
+                           f"{INSTALL[backend]}") from None
 
 
 def check_arch(found: Probe, backend: str) -> None:
     """The CUDA kernels are sm_90 cubin plus compute_90 PTX (cuda/compile.py): Hopper runs the
-    cubin, a later GPU JIT-compiles the PTX, an earlier one runs neither."""
+    cubin, a later GPU JIT-compiles the PTX, an earlier one runs neither. On HIP hiprtc builds
+    them for the device itself, whose wavefront must be one the kernels are written for."""
+    if found.hip and found.lanes not in (32, 64):
+        raise NoDevice(f"--backend {backend}: {found.name} has a wavefront of {found.lanes} lanes; the kernels "
+                       f"are written for 32 or 64")
     if not found.hip and found.compute_capability < KERNEL_CC:
         major, minor = found.compute_capability
         raise NoDevice(f"--backend {backend}: {found.name} is compute capability {major}.{minor}; the kernels "
@@ -149,8 +181,12 @@ def device_info(found: Probe, backend: str, memory_bytes: int | None = None) -> 
     """The plan's view of the device; `memory_bytes` (tests) replaces the free-memory share."""
     memory = memory_bytes if memory_bytes is not None else int(found.free_bytes * MEMORY_SHARE)
     major, minor = found.compute_capability
-    adapter = f"{found.name} ({PLATFORM[backend]}, {found.multiprocessors} SMs, cc {major}.{minor}, " \
-              f"{found.total_bytes >> 20} MiB)"
+    if found.hip:
+        adapter = f"{found.name} ({PLATFORM[backend]}, {found.arch}, wave{found.lanes}, {found.multiprocessors} CUs, " \
+                  f"{found.total_bytes >> 20} MiB)"
+    else:
+        adapter = f"{found.name} ({PLATFORM[backend]}, {found.multiprocessors} SMs, cc {major}.{minor}, " \
+                  f"{found.total_bytes >> 20} MiB)"
     return DeviceInfo(backend, found.name, memory, parallel_rows(found.multiprocessors), flops_per_byte(found),
                       adapter=adapter)
 

@@ -1,5 +1,6 @@
 """The CuPy driver, backends `ptx` (CUDA) and `rocm` (HIP): the family's Program (engine/ops.py)
-run as a list of launches of engine/drivers/cuda's kernels, the products on cuBLAS.
+run as a list of launches of engine/drivers/cuda's kernels (one source for CUDA and HIP), the
+products on cuBLAS or hipBLAS.
 
 Weights are 16-bit words on the device (fp16; bf16 when a weight overflows fp16's range),
 as is the KV cache; the residual stream and the products' outputs stay fp32 (the precision
@@ -30,7 +31,7 @@ from .cuda import reference as ref
 from .cupy_launch import DeviceLauncher, Launcher, w_dtype
 from .cupy_layout import layout, shadow
 
-MAX_HEAD_DIM = 256  # paged_attention holds head_dim / 32 dimensions per lane, at most 8
+MAX_HEAD_DIM = 256  # paged_attention's ATT_MAX_DIM: head_dim / lanes dimensions per lane
 MAX_D_STATE = 16  # mamba_scan keeps a channel's state in registers (MAMBA_MAX_DS)
 
 
@@ -87,7 +88,7 @@ class CupyDriver(Driver):
     def __init__(self, backend: str = "ptx", xp=None, kernels=None, probe: cupy_device.Probe | None = None,
                  memory_bytes: int | None = None, device_picks: bool = True, wtype: str | None = None):
         """`xp`: the array module (CuPy; NumPy stands in for it in tests); `kernels`: a
-        callable(wtype) -> Launcher (the device launcher by default); `probe`, `memory_bytes`:
+        callable(wtype, lanes) -> Launcher (the device launcher by default); `probe`, `memory_bytes`:
         the device figures the plan is fitted to, replaced in tests; `wtype`: forces the
         weights' word type (tests run the bf16 kernels on an fp16-safe model)."""
         super().__init__()
@@ -106,6 +107,7 @@ class CupyDriver(Driver):
         if probe is not None:
             cupy_device.check_arch(probe, backend)
         self.xp, self.probe = xp, probe
+        self.lanes = probe.lanes if probe is not None else 32  # the kernels' warp or wavefront size
         self._launcher = kernels or DeviceLauncher
         self.refused_errors, self.fault_errors = cupy_device.error_kinds()
         self.kernels: Launcher | None = None
@@ -119,7 +121,7 @@ class CupyDriver(Driver):
         """The weights as cupy_layout places them, W words (2 bytes) or fp32 (a head tied to
         the embedding is uploaded once; each norm folded into a product is never uploaded),
         plus the fp32 rotary table (positions, head_dim / 2, 2) the rope op reads."""
-        program = family(model.config).program(model.config)
+        program = family(model.config).program(model.config).unfused()  # fused ops as their parts
         f32 = layout(program).f32_weights
         total = sum(w.size * (4 if name in f32 else 2) for name, w in model.weights.items())
         if program.paged:
@@ -133,12 +135,12 @@ class CupyDriver(Driver):
 
     def prepare(self, plan: Plan, model) -> None:
         fam = family(model.config)
-        program = fam.program(model.config)
+        program = fam.program(model.config).unfused()  # fused ops as their parts
         self._check(program)
         self.plan, self.config, self.program, self.layout = plan, model.config, program, layout(program)
         weights = fam.prepare(model.config, model.weights, plan.positions)
         self._upload_weights(program, weights)
-        self.kernels = self._launcher(self.wtype)
+        self.kernels = self._launcher(self.wtype, self.lanes)
         for _ in self.kernels.names():  # each kernel loaded once, here
             self._built()
         self._allocate(program, plan)
@@ -150,9 +152,6 @@ class CupyDriver(Driver):
         # launches its kernels one by one.
 
     def _check(self, program) -> None:
-        if self.probe is not None and self.probe.hip:
-            raise ValueError("the rocm driver has no kernels yet: engine/drivers/cuda's are CUDA C++ for 32-lane "
-                             "warps, compiled by NVRTC to sm_90, and no HIP build of them exists")
         missing = sorted({op.name for op in program.ops if not hasattr(self, "_op_" + op.name)})
         if missing:
             raise ValueError(f"the {self.backend} driver has no kernel for {', '.join(missing)}")

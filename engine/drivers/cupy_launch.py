@@ -2,8 +2,9 @@
 packs the kernel's arguments (pointers, int32/float32 scalars, grid and block) once for both
 launchers:
 
-- `DeviceLauncher` loads the NVRTC cubin (engine/drivers/cuda/compile.py) into CuPy and
-  launches by name; the products go to cuBLAS (cublasGemmEx: 16-bit operands, fp32 out).
+- `DeviceLauncher` loads the NVRTC cubin (engine/drivers/cuda/compile.py), or on ROCm the
+  code object hiprtc builds for the device (cuda/compile_hip.py), into CuPy and launches by
+  name; the products go to cuBLAS or hipBLAS (GemmEx: 16-bit operands, fp32 out).
 - `ReferenceLauncher` takes the same packed arguments, checks them against the kernel's
   signature in the .cu source (count, pointer dtypes, scalar types), reads the pointers as
   the kernel does (flat, sized by the grid and the scalars) and runs reference.py's
@@ -39,10 +40,12 @@ def w_dtype(wtype: str) -> np.dtype:
 class Launcher:
     """Packs each kernel's launch; `launch` and `gemm` are the launcher's own."""
 
-    def __init__(self, wtype: str):
+    def __init__(self, wtype: str, lanes: int = cc.CUDA_LANES):
+        """`lanes`: the device's warp (CUDA, 32) or wavefront (HIP, 64 or 32) size, which the
+        kernels are built for and the lane-shaped kernels' blocks are sized by."""
         if wtype not in W_TYPE:
             raise ValueError(f"no kernels for word type {wtype!r}")
-        self.wtype = wtype
+        self.wtype, self.lanes = wtype, lanes
 
     def names(self) -> list[str]:
         """The kernels a step may launch: this word type's and the shared ones."""
@@ -63,7 +66,7 @@ class Launcher:
     def _kernel(self, name: str, grid: tuple, args: tuple) -> None:
         if not all(grid):  # nothing to compute (a step with no logits); a zero grid is refused
             return
-        self.launch(name, tuple(int(g) for g in grid), (cc.block_threads(name),), args)
+        self.launch(name, tuple(int(g) for g in grid), (cc.block_threads(name, self.lanes),), args)
 
     # ---- one method per kernel: grid and arguments as the kernel's comment states --------
 
@@ -159,8 +162,8 @@ def signatures() -> dict[str, list[tuple[str, bool]]]:
 class ReferenceLauncher(Launcher):
     """The kernels as reference.py computes them, on NumPy arrays, from the packed arguments."""
 
-    def __init__(self, wtype: str):
-        super().__init__(wtype)
+    def __init__(self, wtype: str, lanes: int = cc.CUDA_LANES):
+        super().__init__(wtype, lanes)
         self.launches: list[str] = []  # every launch's kernel name, in order (tests read it)
         self._f32: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # weight id -> (weight, float32 copy)
 
@@ -174,8 +177,9 @@ class ReferenceLauncher(Launcher):
         params = signatures().get(name)
         if params is None:
             raise KeyError(f"no kernel {name!r} in {', '.join(cc.SOURCES)}")
-        if block != (cc.block_threads(name),):
-            raise ValueError(f"{name}: block {block}, its launch bounds say {cc.block_threads(name)}")
+        bound = cc.launch_bounds(self.lanes)[name]
+        if block != (bound,):
+            raise ValueError(f"{name}: block {block}, its launch bounds at {self.lanes} lanes say {bound}")
         if len(args) != len(params):
             raise TypeError(f"{name}: {len(args)} arguments for {len(params)} parameters")
         for i, (arg, (ctype, pointer)) in enumerate(zip(args, params, strict=True)):
@@ -289,11 +293,11 @@ class ReferenceLauncher(Launcher):
 
 
 class DeviceLauncher(Launcher):
-    """The cubin's kernels through CuPy (every one of `names()` loaded here, once), the
-    products through cuBLAS."""
+    """The kernels through CuPy (every one of `names()` loaded here, once), the products
+    through cuBLAS, or on ROCm through hipBLAS, which CuPy's cuBLAS calls reach there."""
 
-    def __init__(self, wtype: str):
-        super().__init__(wtype)
+    def __init__(self, wtype: str, lanes: int = cc.CUDA_LANES):
+        super().__init__(wtype, lanes)
         import tempfile
         from pathlib import Path
 
@@ -301,24 +305,37 @@ class DeviceLauncher(Launcher):
         from cupy_backends.cuda.libs import cublas
 
         self.cp, self.cublas = cupy, cublas
+        self.hip = bool(cupy.cuda.runtime.is_hip)
+        if self.hip and wtype == "bf16":
+            # CuPy's hipBLAS layer converts fp16 and fp32 operand types only (cupy_hipblas.h).
+            raise ValueError("the rocm driver multiplies fp16 words only (CuPy's hipBLAS calls take no bf16 "
+                             "operands), and this model has a weight past fp16's range")
         self.errors = cupy_device.cuda_errors()
         wanted = set(self.names())
         self.functions = {}
-        # Hopper loads the sm_90 cubin; a later GPU has the driver JIT-compile the compute_90 PTX.
-        hopper = int(cupy.cuda.Device().compute_capability) // 10 == 9
         with tempfile.TemporaryDirectory() as folder:
-            for source, unit in cc.compile_all().items():
-                path = Path(folder) / (source + (".cubin" if hopper else ".ptx"))
-                if hopper:
-                    path.write_bytes(unit.cubin)
-                else:
-                    path.write_text(unit.ptx)
+            for source, (suffix, binary) in self._binaries().items():
+                path = Path(folder) / (source + suffix)
+                path.write_bytes(binary)
                 module = cupy.RawModule(path=str(path))
                 for name in cc.kernel_names(source):
                     if name in wanted:
                         self.functions[name] = module.get_function(name)  # loads the module now
         # alpha and beta live on the host (CUBLAS_POINTER_MODE_HOST), as float32 for COMPUTE_32F.
         self._scalars = {v: np.array(v, np.float32) for v in (0.0, 1.0)}
+
+    def _binaries(self) -> dict[str, tuple[str, bytes]]:
+        """Each source's file suffix and binary for this device."""
+        if self.hip:  # hiprtc, for the device's own architecture and wavefront
+            from .cuda import compile_hip
+
+            arch = cupy_device.gcn_arch(self.cp)
+            return {source: (".hsaco", compile_hip.compile_on_device(source, arch, self.lanes))
+                    for source in cc.SOURCES}
+        # Hopper loads the sm_90 cubin; a later GPU has the driver JIT-compile the compute_90 PTX.
+        hopper = int(self.cp.cuda.Device().compute_capability) // 10 == 9
+        return {source: (".cubin", unit.cubin) if hopper else (".ptx", unit.ptx.encode())
+                for source, unit in cc.compile_all().items()}
 
     def launch(self, name: str, grid: tuple, block: tuple, args: tuple) -> None:
         try:
@@ -333,6 +350,8 @@ class DeviceLauncher(Launcher):
         handle = self.cp.cuda.device.get_cublas_handle()
         cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
         wt = CUDA_R_32F if a.dtype == np.float32 else W_TYPE[self.wtype]  # A and B: one type
+        # CuPy's hipBLAS layer takes the compute type as a data type (fp32: CUDA_R_32F).
+        compute = CUDA_R_32F if self.hip else CUBLAS_COMPUTE_32F
         cublas.gemmEx(handle, transa, transb, m, n, k, self._scalars[alpha].ctypes.data, a.data.ptr, wt, lda,
                       b.data.ptr, wt, ldb, self._scalars[beta].ctypes.data, c.data.ptr, CUDA_R_32F, ldc,
-                      CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
+                      compute, CUBLAS_GEMM_DEFAULT)

@@ -31,7 +31,7 @@ from ..plan import DeviceInfo, Plan
 from ..step import PICK_WORDS, RowWork, StepArrays, StepOutput, host_logits, marked_rows
 from . import wgsl
 from .base import Driver
-from .numpy_driver import host_memory_bytes
+from .cpu.platform.host import host_memory_bytes
 from .wgpu_ops import (
     KERNEL,
     MATMUL_LAYOUT,
@@ -136,7 +136,7 @@ class WgpuDriver(WgpuOps, Driver):
     def prepare(self, plan: Plan, model) -> None:
         c = model.config
         fam = family(c)
-        self.program = program = fam.program(c)
+        self.program = program = fam.program(c).unfused()  # fused ops as their parts
         self.weights = fam.prepare(c, model.weights, plan.positions)
         self.plan = plan
         dev, wgpu = self.device_, self.wgpu

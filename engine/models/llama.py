@@ -10,14 +10,15 @@ The maths that is the family's own, fixed here:
   adjacent, so rotating is one complex multiply by e^(i pos theta) per pair. Q and K are
   permuted alike, so every q.k (and so attention) is unchanged; the cache holds K permuted.
 - A layer: rms_norm, the QKV product, rotary with the K/V write, paged attention, the output
-  product added to the residual, rms_norm, gate/up, SiLU times up, the down product added.
+  product added to the residual, rms_norm, gate/up, SiLU times up, the down product added;
+  named as one op (`llama_layer`, engine/ops.py), for drivers that run it as one kernel.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ..ops import Op, Program
+from ..ops import Op, Program, fused
 from . import block_codes as block_quant
 from .base import LlamaConfig
 
@@ -26,25 +27,29 @@ def program(config: LlamaConfig) -> Program:
     """One step of the family over named buffers; the weights are prepare()'s names."""
     heads, kvh, hd, d = config.num_heads, config.num_kv_heads, config.head_dim, config.hidden_size
     ops = [Op("embed", (), "x", ("embed",))]
-    for i in range(config.num_layers):
-        p = f"layers.{i}."
-        ops += [
-            Op("rms_norm", ("x",), "h"),
-            Op("matmul", ("h",), "qkv", (p + "wqkv",)),
-            Op("rope_kv_write", ("qkv",), "q", ("rope",), layer=i),
-            Op("paged_attention", ("q",), "att", layer=i),
-            Op("matmul_add", ("att",), "x", (p + "wo",)),
-            Op("rms_norm", ("x",), "h"),
-            Op("matmul", ("h",), "gu", (p + "w_gate_up",)),
-            Op("silu_mul", ("gu",), "act"),
-            Op("matmul_add", ("act",), "x", (p + "w_down",)),
-        ]
+    ops += [layer(i) for i in range(config.num_layers)]
     ops += [Op("final_norm", ("x",), "hl", ("norm",)), Op("head", ("hl",), "logits", ("lm_head",))]
     inter = config.intermediate_size
     widths = {"x": d, "h": d, "qkv": (heads + 2 * kvh) * hd, "q": heads * hd, "att": heads * hd,
               "gu": 2 * inter, "act": inter, "hl": d, "logits": config.vocab_size}
     dims = {"hidden": d, "vocab": config.vocab_size, "heads": heads, "kv_heads": kvh, "head_dim": hd}
     return Program(tuple(ops), widths, dims, config.rms_eps)
+
+
+def layer(i: int) -> Op:
+    """Layer i as one op (a driver may run it as one kernel), its parts in order."""
+    p = f"layers.{i}."
+    return fused("llama_layer", [
+        Op("rms_norm", ("x",), "h"),
+        Op("matmul", ("h",), "qkv", (p + "wqkv",)),
+        Op("rope_kv_write", ("qkv",), "q", ("rope",), layer=i),
+        Op("paged_attention", ("q",), "att", layer=i),
+        Op("matmul_add", ("att",), "x", (p + "wo",)),
+        Op("rms_norm", ("x",), "h"),
+        Op("matmul", ("h",), "gu", (p + "w_gate_up",)),
+        Op("silu_mul", ("gu",), "act"),
+        Op("matmul_add", ("act",), "x", (p + "w_down",)),
+    ], layer=i)
 
 
 def rope_table(config: LlamaConfig, positions: int) -> np.ndarray:

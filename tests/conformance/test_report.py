@@ -35,7 +35,8 @@ def test_not_supported_is_a_skip_with_a_reason():
 
 def test_json_report_lists_each_clause_with_its_outcome():
     data = json.loads(to_json(sample()))
-    assert data["summary"] == {"result": "failure", "clauses": 3, "passed": 1, "failed": 1, "not_supported": 1}
+    assert data["summary"] == {"result": "failure", "clauses": 3, "passed": 1, "failed": 1, "not_supported": 1,
+                               "crashed": 0, "not_run": 0, "server_crashes": 0, "server_started": True}
     by_id = {c["id"]: c for c in data["clauses"]}
     assert by_id["api/sse/1"]["outcome"] == "failed" and "[DONE]" in by_id["api/sse/1"]["why"]
     assert by_id["cancel/stream/1"]["outcome"] == "not_supported"
@@ -86,3 +87,88 @@ def test_failures_of_the_reference_designs_choices_are_counted_apart():
     md = to_markdown(report)
     assert "| `loop/reserve/1` |" in md and "| design choice | failed |" in md and line in md
     assert "| sse | failed |" in md
+
+
+CRASH = {"clause": "api/errors/2", "seen": "/health answered 503 {\"status\": \"dead\"}",
+         "request": 'POST /v1/completions {"model": "m", "max_tokens": 4}', "answer": "500 {\"error\": {}}",
+         "last_requests": [], "then": "the clauses after it were not run", "log": "Traceback ...\nRuntimeError: boom"}
+
+
+def crashed_run() -> RunReport:
+    spec = load_spec()
+    return RunReport([ClauseResult(spec["api/health/1"], Outcome.PASSED),
+                      ClauseResult(spec["api/errors/2"], Outcome.CRASHED, "the server stopped serving during this clause"),
+                      ClauseResult(spec["api/errors/3"], Outcome.NOT_RUN, "not run: the server stopped serving at api/errors/2")],
+                     target="http://x", crashes=[CRASH])
+
+
+def test_a_crash_is_said_first_and_counted_apart():
+    report = crashed_run()
+    assert report.result == "failure"
+    text = to_terminal(report)
+    top = text.split("\n\n", 1)[0]
+    assert top.startswith("The server stopped serving once:")
+    assert 'at api/errors/2, after POST /v1/completions {"model": "m", "max_tokens": 4} -> 500' in top
+    assert "RuntimeError: boom" in top
+    assert "[CRASH] api/errors/2" in text and "[ n/r] api/errors/3" in text
+    assert "api/errors/2  Invalid or missing parameters get 400  (the server crashed)" in text.split("Failures:")[1]
+    assert "api/errors/3" not in text.split("Failures:")[1]
+    assert text.rstrip().endswith("3 clauses, 1 passed, 0 not supported, 0 failed, 1 crashed, 1 not run: failure")
+    data = json.loads(to_json(report))
+    assert data["summary"]["crashed"] == 1 and data["summary"]["not_run"] == 1 and data["summary"]["server_crashes"] == 1
+    assert data["crashes"] == [CRASH] and data["not_started"] is None
+    assert {c["id"]: c["outcome"] for c in data["clauses"]}["api/errors/3"] == "not_run"
+
+
+def test_junit_reports_a_crash_as_an_error_and_not_run_as_a_skip():
+    root = ET.fromstring(to_junit(crashed_run()))
+    assert root.get("errors") == "1" and root.get("failures") == "0" and root.get("skipped") == "1"
+    cases = {c.get("name").split()[0]: c for c in root.iter("testcase")}
+    assert cases["api/errors/2"].find("error") is not None
+    assert cases["api/errors/3"].find("skipped").get("message").startswith("not run: the server stopped serving")
+
+
+def test_markdown_has_crashed_and_not_run_columns_only_when_a_run_has_them():
+    md = to_markdown(crashed_run())
+    assert "| area | passed | not supported | failed | crashed | not run |" in md
+    assert "| api | 1 | 0 | 0 | 1 | 1 |" in md
+    assert "The server stopped serving once:" in md.split("| area |")[0]
+    assert "| crashed |" not in to_markdown(sample())
+
+
+def test_a_server_that_never_started_is_reported_once_with_its_log():
+    spec = load_spec()
+    results = [ClauseResult(c, Outcome.NOT_RUN, "not run: the server did not start") for c in spec][:5]
+    report = RunReport(results, not_started="the server was not ready for 3 s\nlast log line")
+    text = to_terminal(report)
+    assert text.startswith("The server did not start, so no clause was run:")
+    assert text.count("last log line") == 1
+    assert report.result == "failure" and json.loads(to_json(report))["summary"]["server_started"] is False
+
+
+def test_expectations_and_compare_know_the_new_outcomes(tmp_path):
+    from poot.conformance import compare, expectations
+
+    path = tmp_path / "expected.yaml"
+    path.write_text(expectations.dump(crashed_run()))
+    expected = expectations.load(path)
+    assert expected["api/errors/2"].outcome is Outcome.CRASHED and expected["api/errors/3"].outcome is Outcome.NOT_RUN
+    assert expectations.judge(crashed_run(), expected).ok
+    regression = expectations.judge(crashed_run(), {})
+    assert [c.clause for c in regression.regressions] == ["api/errors/2"]  # expected to pass, crashed
+    assert [c.clause for c in regression.other] == ["api/errors/3"]
+    table = compare.matrix([json.loads(to_json(crashed_run())), json.loads(to_json(sample()))], ["a", "b"])
+    assert "| `api/errors/2` | Invalid or missing parameters get 400 | openai | **crashed** [1] | - |" in table
+    assert "not run [2]" in table and "1 crashed, 1 not run" in table
+    assert "| | server stopped serving | | 1x: `api/errors/2` | - |" in table
+
+
+def test_compare_gives_one_note_per_reason_of_a_server():
+    from poot.conformance import compare
+
+    spec = load_spec()
+    report = RunReport([ClauseResult(spec[c], Outcome.NOT_RUN, "not run: the server stopped serving at api/errors/2")
+                        for c in ("api/errors/3", "api/errors/4", "api/errors/5")], crashes=[CRASH])
+    table = compare.matrix([json.loads(to_json(report))], ["x"])
+    assert table.count("not run [1]") == 3
+    assert "1. on x, 3 clauses: not run: the server stopped serving at api/errors/2" in table

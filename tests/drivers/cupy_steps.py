@@ -8,13 +8,17 @@ import numpy as np
 
 from poot.engine import SamplingParams, sampler
 from poot.engine.drivers.base import RowWork
+from poot.engine.drivers.cpu import CpuDriver
 from poot.engine.drivers.cupy_device import Probe
 from poot.engine.drivers.cupy_driver import CupyDriver
 from poot.engine.drivers.cupy_launch import ReferenceLauncher
-from poot.engine.drivers.numpy_driver import NumpyDriver
 from poot.engine.plan import fit_plan
 
 SMALL = Probe("test device", 8 << 30, 8 << 30, 16, (9, 0))  # 16 SMs: the fewest rows, 32
+# The same small device as each platform's lane count sees it: a CUDA warp, a CDNA wavefront
+# (MI200/MI300, 64 lanes), an RDNA one (32 lanes).
+PLATFORMS = {"cuda": SMALL, "cdna": Probe("test CDNA device", 8 << 30, 8 << 30, 16, (9, 0), True, 64, "gfx90a"),
+             "rdna": Probe("test RDNA device", 8 << 30, 8 << 30, 16, (10, 3), True, 32, "gfx1030")}
 H200 = Probe("NVIDIA H200", 150_000_000_000, 141_000_000_000, 132, (9, 0))
 # Logits of 16-bit weights and activations against the NumPy driver's float32, as a share of
 # the step's largest logit: fp16 words carry 11 significant bits (relative rounding 2^-11 =
@@ -22,8 +26,9 @@ H200 = Probe("NVIDIA H200", 150_000_000_000, 141_000_000_000, 132, (9, 0))
 TOLERANCE = {"f16": 4e-3, "bf16": 3e-2}
 
 
-def cupy_on_cpu(**kw) -> CupyDriver:
-    return CupyDriver("ptx", xp=np, kernels=ReferenceLauncher, probe=SMALL, memory_bytes=1 << 30, **kw)
+def cupy_on_cpu(probe: Probe = SMALL, kernels=ReferenceLauncher, **kw) -> CupyDriver:
+    """The driver on NumPy, for the platform the probe names (ptx, or rocm at its wavefront)."""
+    return CupyDriver("rocm" if probe.hip else "ptx", xp=np, kernels=kernels, probe=probe, memory_bytes=1 << 30, **kw)
 
 
 def pair(model, **kw):
@@ -32,7 +37,7 @@ def pair(model, **kw):
     plan = fit_plan(gpu.device(), model.config, gpu.weight_bytes(model), model.name,
                     kv_bytes_per_token=gpu.kv_bytes_per_token(model.config))
     gpu.prepare(plan, model)
-    cpu = NumpyDriver(memory_bytes=1 << 30, compact=False)
+    cpu = CpuDriver(memory_bytes=1 << 30, compact=False)
     cpu.prepare(plan, model)
     return cpu, gpu, plan
 
@@ -107,9 +112,17 @@ def on_an_edge(logits: np.ndarray, params: SamplingParams, u: float) -> bool:
 
 
 def cuda_device() -> bool:
+    """Whether CuPy sees a GPU (CUDA or ROCm)."""
     try:
         import cupy
 
         return bool(cupy.is_available())
     except Exception:
         return False
+
+
+def device_backend() -> str:
+    """The backend of the GPU CuPy sees."""
+    import cupy
+
+    return "rocm" if cupy.cuda.runtime.is_hip else "ptx"

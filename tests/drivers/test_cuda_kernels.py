@@ -1,8 +1,9 @@
-"""The CUDA driver's kernels (engine/drivers/cuda): compiled with the driver's own NVRTC
+"""The CuPy driver's kernels (engine/drivers/cuda): compiled with the driver's own NVRTC
 options on every run (no GPU needed: the architecture is named), ptxas's resource report
 checked against Hopper's limits, the NumPy references checked against independent
-computations over mixed steps, and, where a CUDA device is present, every kernel launched
-through CuPy and compared with its reference."""
+computations over mixed steps, and every kernel launched and compared with its reference:
+built for the CPU at 32 and 64 lanes a warp on every run, and where CuPy sees a GPU (CUDA or
+ROCm), on it. (The HIP builds' compile checks are in test_hip_kernels.py.)"""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from engine.models.synthetic import synthetic_config
 from engine.params import SamplingParams
 from engine.random_stream import M32, RandomStream
 from engine.sampler import probabilities, sample
+
+from .kernel_runners import device_runner
 
 WTYPES = ("f16", "bf16")
 
@@ -55,6 +58,16 @@ def test_ptxas_report_within_hopper_limits_and_no_spills(compiled):
         assert u.registers * threads <= 65536, (name, u.registers, threads)
         assert u.shared <= 227 * 1024, name
         assert (u.spill_stores, u.spill_loads, u.stack) == (0, 0, 0), (name, u)
+
+
+@pytest.mark.parametrize("lanes", [32, 64])
+def test_the_launch_geometry_is_each_kernels_launch_bounds(lanes):
+    """The blocks the driver launches (compile.block_threads) are what each kernel's
+    __launch_bounds__ states for that lane count; the attention kernel's grow with the lanes."""
+    bounds = cc.launch_bounds(lanes)
+    assert set(bounds) == set(cc.kernel_names())
+    assert {k: cc.block_threads(k, lanes) for k in bounds} == bounds
+    assert bounds["paged_attention_f16"] == 4 * lanes and bounds["rms_norm_f16"] == 256
 
 
 def test_the_report_check_sees_local_memory():
@@ -237,31 +250,17 @@ def test_pick_reference_host_rows_and_greedy_ties():
     np.testing.assert_array_equal(out, logits)
 
 
-# ---- on a CUDA device: every kernel through CuPy, against its reference --------------------------
+# ---- every kernel launched, against its reference: on a GPU, and on the CPU at 32 and 64 lanes ----
 
 
 @pytest.fixture(scope="module")
-def gpu(compiled, tmp_path_factory):
-    cp = pytest.importorskip("cupy")
-    if not cp.is_available():
-        pytest.skip("no CUDA device")
-    modules, files = {}, cc.kernel_files()
-    for name, unit in compiled.items():
-        path = tmp_path_factory.mktemp("cubin") / (name + ".cubin")
-        path.write_bytes(unit.cubin)
-        modules[name] = cp.RawModule(path=str(path))
-
-    def launch(kernel: str, grid, *args):
-        module = modules[files[kernel]]
-        module.get_function(kernel)(tuple(grid), (cc.block_threads(kernel),), args)
-        cp.cuda.Device().synchronize()
-
-    return cp, launch
+def device(tmp_path_factory):
+    return device_runner(tmp_path_factory.mktemp("device"))
 
 
 @pytest.mark.parametrize("wtype", WTYPES)
-def test_step_kernels_on_the_device_match_the_references(gpu, wtype):
-    cp, launch = gpu
+def test_step_kernels_match_the_references(runner, wtype):
+    cp, launch = runner
     i32, f32 = np.int32, np.float32
     step, _, rope, qkv = rope_inputs(4, wtype)
     t = len(step["positions"])
@@ -307,9 +306,15 @@ def test_step_kernels_on_the_device_match_the_references(gpu, wtype):
     np.testing.assert_array_equal(x.get(), want)
 
 
-@pytest.mark.parametrize("vocab", [3000, 151936])
-def test_pick_on_the_device_matches_the_reference(gpu, vocab):
-    cp, launch = gpu
+def test_pick_matches_the_reference(runner):
+    check_pick(*runner, 3000)
+
+
+def test_pick_over_a_large_vocabulary_on_the_device_matches_the_reference(device):
+    check_pick(*device, 151936)
+
+
+def check_pick(cp, launch, vocab: int):
     rng = np.random.default_rng(vocab)
     rows = []
     for i in range(24):

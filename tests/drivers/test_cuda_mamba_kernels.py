@@ -1,7 +1,8 @@
 """The CUDA driver's Mamba kernels (engine/drivers/cuda/mamba.cu): their NumPy references
 over two mixed steps (prefill chunks and decode tokens of several rows, each continuing
 from its state slot) against a direct float64 recurrence over each row's whole sequence,
-and, on a CUDA device, the kernels against the references. (Their compile checks are in
+and the kernels against the references (on the CPU at 32 and 64 lanes, and on a GPU where
+CuPy sees one). (Their compile checks are in
 test_cuda_kernels.py, with every kernel's.)"""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 from engine.drivers.cuda import reference as ref
-from tests.drivers.test_cuda_kernels import TOL, WTYPES, compiled, gpu  # noqa: F401 (fixtures)
+from tests.drivers.test_cuda_kernels import TOL, WTYPES
 
 DI, DS, KC, RANK = 12, 8, 4, 3
 SLOTS = 4
@@ -86,8 +87,8 @@ def test_mamba_references_continue_each_row_from_its_state(wtype):
 
 
 @pytest.mark.parametrize("wtype", WTYPES)
-def test_mamba_kernels_on_the_device_match_the_references(gpu, wtype):  # noqa: F811
-    cp, launch = gpu
+def test_mamba_kernels_match_the_references(runner, wtype):
+    cp, launch = runner
     i32 = np.int32
     seq, params = inputs(8)
     p = {k: cp.asarray(v) for k, v in params.items()}

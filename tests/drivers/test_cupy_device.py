@@ -108,6 +108,66 @@ def test_the_plan_on_an_h200():
     assert 10_000 < blocks < 256 * 2048 // BLOCK_SIZE  # memory, not the rows, sets it
 
 
+class FakeHipRuntime:
+    """What probe() reads of CuPy for ROCm on an MI250X (gfx90a, 64-lane wavefronts)."""
+
+    is_hip = True
+
+    @staticmethod
+    def getDeviceCount():  # noqa: N802 (CuPy's name)
+        return 1
+
+    @staticmethod
+    def getDeviceProperties(device):  # noqa: N802
+        return {"name": b"AMD Instinct MI250X", "multiProcessorCount": 110, "major": 9, "minor": 0, "warpSize": 64,
+                "gcnArchName": b"gfx90a:sramecc+:xnack-"}
+
+    @staticmethod
+    def memGetInfo():  # noqa: N802
+        return 60 << 30, 64 << 30
+
+
+def fake_cupy(runtime):
+    import contextlib
+    import types
+
+    cuda = types.SimpleNamespace(runtime=runtime, Device=lambda i=0: contextlib.nullcontext())
+    return types.SimpleNamespace(cuda=cuda)
+
+
+def test_a_rocm_device_is_probed_with_its_wavefront_and_architecture(monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, "cupy", fake_cupy(FakeHipRuntime))
+    found = cupy_device.probe("rocm")
+    assert (found.hip, found.lanes, found.arch, found.multiprocessors) == (True, 64, "gfx90a:sramecc+:xnack-", 110)
+    info = cupy_device.device_info(found, "rocm")
+    assert "gfx90a:sramecc+:xnack-" in info.adapter and "wave64" in info.adapter and "110 CUs" in info.adapter
+    assert info.memory_bytes == int((60 << 30) * 0.9)
+    with pytest.raises(NoDevice, match=r"built for ROCm \(HIP\), not CUDA"):
+        cupy_device.probe("ptx")
+
+
+def test_the_rocm_driver_prepares_and_launches_at_the_devices_wavefront():
+    """No refusal for rocm: the kernels are launched with the wavefront's blocks (attention:
+    4 wavefronts of 64), which the reference launcher holds to the sources' launch bounds."""
+    probe = Probe("AMD Instinct MI250X", 64 << 30, 60 << 30, 110, (9, 0), True, 64, "gfx90a")
+    model = synthetic_llama(0)
+    cpu, gpu, plan = pair(model, probe=probe)
+    assert gpu.backend == "rocm" and gpu.kernels.lanes == 64
+    seen = []
+    launch = gpu.kernels.launch
+    gpu.kernels.launch = lambda name, grid, block, args: (seen.append((name, block)), launch(name, grid, block, args))
+    tables = [[0, 1]]
+    for d in (cpu, gpu):
+        d.open_row(0, tables[0])
+    gpu.step([RowWork(0, np.arange(1, 6, dtype=np.int32), 0, tables[0], 1)])
+    assert ("paged_attention_f16", (256,)) in seen and ("rms_norm_f16", (256,)) in seen
+
+
+def test_a_wavefront_the_kernels_are_not_written_for_is_no_device():
+    with pytest.raises(NoDevice, match="wavefront of 16 lanes"):
+        CupyDriver("rocm", xp=np, kernels=ReferenceLauncher, probe=Probe("odd", 1 << 30, 1 << 30, 4, (9, 0), True, 16))
+
+
 def test_a_device_older_than_hopper_is_no_device():
     with pytest.raises(NoDevice, match=r"compute capability 8\.0"):
         CupyDriver("ptx", xp=np, kernels=ReferenceLauncher, probe=Probe("A100", 80 << 30, 80 << 30, 108, (8, 0)))
@@ -213,6 +273,41 @@ def test_a_missing_cublas_is_no_device(monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "cupy_backends.cuda.libs.cublas", None)
     with pytest.raises(NoDevice, match=r"cuBLAS does not load.*pip install 'poot\[ptx\]'"):
         cupy_device.check_toolchain("ptx")
+    with pytest.raises(NoDevice, match=r"--backend rocm: cuBLAS does not load.*pip install 'poot\[rocm\]'"):
+        cupy_device.check_toolchain("rocm")
+
+
+def test_cupy_for_a_platform_this_machine_lacks_names_the_library_that_did_not_load(monkeypatch, tmp_path):
+    """CuPy for ROCm without ROCm (or for CUDA without a driver) fails its own import with a
+    framed paragraph; start-up says, on one line, which library did not load."""
+    import sys
+
+    framed = ("\n=====\nFailed to import CuPy.\n\nOriginal error:\n  ImportError: libamdhip64.so.7: cannot open shared "
+              "object file: No such file or directory\n=====\n")
+    (tmp_path / "cupy").mkdir()
+    (tmp_path / "cupy" / "__init__.py").write_text(f"raise ImportError({framed!r})\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "cupy", raising=False)
+    with pytest.raises(NoDevice) as e:
+        cupy_device.probe("rocm")
+    assert str(e.value) == ("--backend rocm: CuPy does not import (ImportError: libamdhip64.so.7: cannot open shared "
+                            "object file: No such file or directory); pip install 'poot[rocm]' (CuPy for ROCm 7.0) "
+                            "on a machine with ROCm 7 and an AMD GPU")
+
+
+def test_a_missing_hiprtc_is_no_device(monkeypatch):
+    import sys
+    import types
+
+    libs = types.ModuleType("cupy_backends.cuda.libs")
+    libs.cublas = types.ModuleType("cupy_backends.cuda.libs.cublas")  # hipBLAS loads, hiprtc does not
+    for name, module in (("cupy_backends", types.ModuleType("cupy_backends")),
+                         ("cupy_backends.cuda", types.ModuleType("cupy_backends.cuda")),
+                         ("cupy_backends.cuda.libs", libs), ("cupy_backends.cuda.libs.cublas", libs.cublas),
+                         ("cupy_backends.cuda.libs.nvrtc", None)):
+        monkeypatch.setitem(sys.modules, name, module)
+    with pytest.raises(NoDevice, match=r"--backend rocm: hiprtc does not load.*pip install 'poot\[rocm\]'"):
+        cupy_device.check_toolchain("rocm")
 
 
 @needs_no_device
@@ -232,11 +327,15 @@ def test_auto_falls_back_to_numpy_whatever_state_cupy_is_in(monkeypatch):
 
 
 @needs_no_device
-def test_poot_serve_backend_ptx_exits_with_one_line_saying_why():
+@pytest.mark.parametrize("backend", ["ptx", "rocm"])
+def test_poot_serve_on_a_cupy_backend_exits_with_one_line_saying_why(backend):
     from poot.conformance.target import free_port
     from tests.server.proc import run_cli
 
-    r = run_cli("--backend", "ptx", "--model", "synthetic", "--port", str(free_port()), "--log-level", "warning")
+    r = run_cli("--backend", backend, "--model", "synthetic", "--port", str(free_port()), "--log-level", "warning")
     assert r.returncode == 1
-    assert "poot-serve: cannot start the engine: NoDevice: --backend ptx: " in r.stderr
+    said = [line for line in r.stderr.splitlines() if line.startswith("poot-serve:")]
+    assert len(said) == 1 and said[0].startswith(f"poot-serve: cannot start the engine: NoDevice: --backend {backend}: ")
     assert "Traceback" not in r.stderr + r.stdout
+    if backend == "rocm" and "CuPy is not installed" in said[0]:
+        assert "pip install 'poot[rocm]'" in said[0]

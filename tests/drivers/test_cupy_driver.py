@@ -5,7 +5,9 @@ sources) and running engine/drivers/cuda/reference.py. Checked: the logits of mi
 (prefill chunks beside decoding rows, shuffled block tables; Llama in fp16 and bf16, Mamba)
 within the 16-bit words' tolerance of the NumPy driver's and the same greedy tokens, the
 program's launches and compiles, the whole loop, and tokens picked on the "device" equal to
-the host sampler's from the same logits. Where CuPy sees a CUDA device, the same on it."""
+the host sampler's from the same logits, each at the lane counts of a CUDA warp, a CDNA and an
+RDNA wavefront; the same over the kernels' own code built for the CPU. Where CuPy sees a GPU
+(CUDA or ROCm), the same on it."""
 
 from __future__ import annotations
 
@@ -13,18 +15,20 @@ import numpy as np
 import pytest
 
 from poot.engine.drivers.base import Pick, RowWork
+from poot.engine.drivers.cpu import CpuDriver
 from poot.engine.drivers.cupy_driver import CupyDriver
 from poot.engine.drivers.cupy_launch import signatures
-from poot.engine.drivers.numpy_driver import NumpyDriver
 from poot.engine.models.synthetic import synthetic_llama
 from poot.engine.plan import fit_plan
 from poot.engine.random_stream import random_stream
 
 from .cupy_steps import (
+    PLATFORMS,
     TOLERANCE,
     compare_logits,
     cuda_device,
     cupy_on_cpu,
+    device_backend,
     greedy_agrees,
     mixed_steps,
     on_an_edge,
@@ -32,14 +36,23 @@ from .cupy_steps import (
     pair,
     worst_relative,
 )
+from .host_kernels import HostLauncher, build
 from .picks import PICKED, host_picks, with_picks
+
+
+@pytest.fixture(params=sorted(PLATFORMS))
+def platform(request):
+    """The device the driver is fitted to: a CUDA warp of 32 lanes, a CDNA wavefront of 64, an
+    RDNA one of 32. The launches' blocks follow the lane count, and the reference launcher
+    checks each against the kernel's launch bounds for that count."""
+    return PLATFORMS[request.param]
 
 
 @pytest.mark.parametrize("seed, sizes", [(0, {}), (5, {}), (7, dict(num_heads=8, num_kv_heads=2, head_dim=32))],
                          ids=["seed0", "seed5", "gqa4-hd32"])
-def test_logits_match_the_numpy_drivers_within_fp16(seed, sizes):
+def test_logits_match_the_numpy_drivers_within_fp16(seed, sizes, platform):
     model = synthetic_llama(seed, **sizes)
-    cpu, gpu, plan = pair(model)
+    cpu, gpu, plan = pair(model, probe=platform)
     assert gpu.wtype == "f16"
     assert compare_logits(cpu, gpu, plan, model.config.vocab_size, seed) < TOLERANCE["f16"]
 
@@ -61,9 +74,9 @@ def test_a_weight_past_fp16s_range_makes_the_model_bf16():
     assert compare_logits(cpu, gpu, plan, model.config.vocab_size, 4, avoid=[0]) < TOLERANCE["bf16"]
 
 
-def test_every_kernel_is_loaded_in_prepare_and_a_step_launches_the_programs_ops():
+def test_every_kernel_is_loaded_in_prepare_and_a_step_launches_the_programs_ops(platform):
     model = synthetic_llama(5)
-    cpu, gpu, plan = pair(model)
+    cpu, gpu, plan = pair(model, probe=platform)
     built = gpu.compiles
     assert built == len(gpu.kernels.names()) + 1  # each kernel once, and the recorded step
     tables, steps = mixed_steps(plan, np.random.default_rng(2), model.config.vocab_size)
@@ -80,7 +93,7 @@ def test_every_kernel_is_loaded_in_prepare_and_a_step_launches_the_programs_ops(
 
 
 @pytest.mark.parametrize("family", ["llama", "mamba"])
-def test_the_engine_serves_the_same_greedy_tokens_on_it(family):
+def test_the_engine_serves_the_same_greedy_tokens_on_it(family, platform):
     """The whole loop on the driver (warm-up, rows opened and closed, chunked prefill beside
     decoding): each request's greedy tokens are the NumPy driver's."""
     from poot.engine import Engine
@@ -90,7 +103,7 @@ def test_the_engine_serves_the_same_greedy_tokens_on_it(family):
     model = synthetic_llama(0) if family == "llama" else synthetic_mamba(1)
     prompts = ["a", "the quick brown fox", "x" * 37, "rows at different lengths " * 3]
     tokens = []
-    for driver in (NumpyDriver(memory_bytes=1 << 30, compact=False), cupy_on_cpu()):
+    for driver in (CpuDriver(memory_bytes=1 << 30, compact=False), cupy_on_cpu(platform)):
         engine = Engine.create(model, driver=driver)
         records = [submit(engine, p, greedy(10, ignore_eos=True))[0] for p in prompts]
         run_until_idle(engine)
@@ -195,7 +208,7 @@ def test_mamba_logits_match_the_numpy_drivers_within_fp16():
     gpu = cupy_on_cpu()
     plan = fit_plan(gpu.device(), model.config, gpu.weight_bytes(model), model.name)
     gpu.prepare(plan, model)
-    cpu = NumpyDriver(memory_bytes=1 << 30, compact=False)
+    cpu = CpuDriver(memory_bytes=1 << 30, compact=False)
     cpu.prepare(plan, model)
     assert gpu.layout.half["xs/w"] and not gpu.layout.half["dbc"]  # dt's product runs in fp32
     rng = np.random.default_rng(2)
@@ -221,10 +234,50 @@ def test_mamba_logits_match_the_numpy_drivers_within_fp16():
     assert worst < TOLERANCE["f16"]
 
 
-# ---- on a CUDA device ---------------------------------------------------------------------------------
+# ---- the kernels themselves, built for the CPU, behind the driver ------------------------------------
 
 
-on_a_device = pytest.mark.skipif(not cuda_device(), reason="CuPy sees no CUDA device here")
+def host_kernels(folder, lanes, sources=None):
+    lib = build(folder, lanes, sources)
+    return lambda wtype, lanes_: HostLauncher(wtype, lanes_, lib)
+
+
+def test_with_the_kernels_built_for_each_lane_count_the_logits_match(platform, tmp_path_factory):
+    """The driver's packing and launch geometry over the kernels' own code (cuda/*.cu built for
+    the CPU at the platform's lane count, its warp shuffles and lane layouts included) instead
+    of their references: a mixed step's logits within fp16 of the NumPy driver's."""
+    model = synthetic_llama(0)
+    kernels = host_kernels(tmp_path_factory.getbasetemp(), platform.lanes)
+    cpu, gpu, plan = pair(model, probe=platform, kernels=kernels)
+    assert compare_logits(cpu, gpu, plan, model.config.vocab_size, 0) < TOLERANCE["f16"]
+    assert any(n.startswith("paged_attention") for n in gpu.kernels.launches)
+
+
+def warp_sum_of_32_lanes(code: str) -> str:
+    """kernels.cu with its warp reduction written for 32 lanes (the butterfly starts at 16):
+    right on a CUDA warp, wrong on a 64-lane wavefront, where it sums each half apart."""
+    variant = code.replace("for (int s = LANES / 2; s > 0; s >>= 1)", "for (int s = 16; s > 0; s >>= 1)")
+    assert variant != code
+    return variant
+
+
+def test_a_reduction_that_assumes_32_lanes_fails_on_a_64_lane_wavefront(tmp_path_factory):
+    from poot.engine.drivers.cuda import compile as cc
+
+    model = synthetic_llama(0)
+    variant = {"kernels.cu": warp_sum_of_32_lanes(cc.source("kernels.cu"))}
+    base = tmp_path_factory.getbasetemp()
+    cpu, gpu, plan = pair(model, probe=PLATFORMS["cuda"], kernels=host_kernels(base, 32, variant))
+    assert compare_logits(cpu, gpu, plan, model.config.vocab_size, 0) < TOLERANCE["f16"]
+    cpu, gpu, plan = pair(model, probe=PLATFORMS["cdna"], kernels=host_kernels(base, 64, variant))
+    with pytest.raises(AssertionError):
+        assert compare_logits(cpu, gpu, plan, model.config.vocab_size, 0) < TOLERANCE["f16"]
+
+
+# ---- on a GPU (CUDA or ROCm) ---------------------------------------------------------------------------
+
+
+on_a_device = pytest.mark.skipif(not cuda_device(), reason="CuPy sees no GPU here")
 
 
 @on_a_device
@@ -235,11 +288,11 @@ def test_on_the_device_logits_and_picks_match(seed, sizes, wtype):
     NumPy driver's, greedy the same, and the pick kernel's tokens the host sampler's from
     the logits the same step returns (but for float32 edges)."""
     model = synthetic_llama(seed, **sizes)
-    gpu = CupyDriver("ptx", memory_bytes=1 << 30, wtype=wtype)
+    gpu = CupyDriver(device_backend(), memory_bytes=1 << 30, wtype=wtype)
     plan = fit_plan(gpu.device(), model.config, gpu.weight_bytes(model), model.name,
                     kv_bytes_per_token=gpu.kv_bytes_per_token(model.config))
     gpu.prepare(plan, model)
-    cpu = NumpyDriver(memory_bytes=1 << 30, compact=False)
+    cpu = CpuDriver(memory_bytes=1 << 30, compact=False)
     cpu.prepare(plan, model)
     worst = compare_logits(cpu, gpu, plan, model.config.vocab_size, seed)
     print(f"device {gpu.wtype} seed {seed}: worst |logit diff| / max |logit| = {worst:.2e}")
@@ -266,10 +319,10 @@ def test_on_the_device_mamba_matches_the_numpy_driver():
     from poot.engine.models.synthetic import synthetic_mamba
 
     model = synthetic_mamba(1)
-    gpu = CupyDriver("ptx", memory_bytes=1 << 30)
+    gpu = CupyDriver(device_backend(), memory_bytes=1 << 30)
     plan = fit_plan(gpu.device(), model.config, gpu.weight_bytes(model), model.name)
     gpu.prepare(plan, model)
-    cpu = NumpyDriver(memory_bytes=1 << 30, compact=False)
+    cpu = CpuDriver(memory_bytes=1 << 30, compact=False)
     cpu.prepare(plan, model)
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, 256, int(rng.integers(6, 40))).astype(np.int32) for _ in range(6)]

@@ -35,13 +35,13 @@ def prepared(driver, model):
 
 def pair(model, backend="vulkan", **kw):
     """A NumPy and a wgpu driver on one plan (the wgpu driver's), each prepared."""
-    from poot.engine.drivers.numpy_driver import NumpyDriver
+    from poot.engine.drivers.cpu import CpuDriver
     from poot.engine.drivers.wgpu_driver import WgpuDriver
 
     needs(backend)
     gpu = WgpuDriver(backend, **kw)
     plan = prepared(gpu, model)
-    cpu = NumpyDriver(memory_bytes=1 << 30, compact=False)
+    cpu = CpuDriver(memory_bytes=1 << 30, compact=False)
     cpu.prepare(plan, model)
     return cpu, gpu, plan
 

@@ -6,7 +6,7 @@ import functools
 from dataclasses import dataclass, field
 
 from poot.engine import Engine, SamplingParams
-from poot.engine.drivers.numpy_driver import NumpyDriver
+from poot.engine.drivers.cpu import CpuDriver
 from poot.engine.events import Accepted, Finished, Rejected, Tokens
 from poot.engine.models.synthetic import synthetic_llama
 
@@ -67,7 +67,7 @@ def cached_model(seed: int):
 
 def make_engine(seed: int = 0, memory_bytes: int = 1 << 30, **kw) -> Engine:
     model = cached_model(seed)
-    driver = kw.pop("driver_class", NumpyDriver)(memory_bytes=memory_bytes)
+    driver = kw.pop("driver_class", CpuDriver)(memory_bytes=memory_bytes)
     return kw.pop("engine_class", Engine).create(model, driver=driver, **kw)
 
 

@@ -24,9 +24,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from poot.engine.drivers import cpu_kernels
+from poot.engine.drivers.cpu.glue import Glue, run_length
+from poot.engine.drivers.cpu.kernels.sizes import TOKEN_RUN
+from poot.engine.drivers.cpu.products import float_product
+from poot.engine.drivers.cpu.products.few_tokens import FEW_TOKENS
+from poot.engine.drivers.cpu.runtime import shared
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason=cpu_kernels.unavailable_reason())
+runtime = shared()
+pytestmark = pytest.mark.skipif(not runtime.available(), reason=runtime.unavailable_reason())
+glue = Glue(runtime) if runtime.available() else None
 
 
 def stored(cache: np.ndarray, half: bool) -> np.ndarray:
@@ -72,7 +78,7 @@ def test_paged_attention_matches_reference(seed, rows, kv_heads, group, block_si
     lengths = rng.integers(1, width * block_size + 1, n).astype(np.int64)
     q = rng.standard_normal((n, kv_heads * group, hd), dtype=np.float32)
     out = np.empty((n, kv_heads * group * hd), np.float32)
-    cpu_kernels.paged_attention(q, cache, tables, table_of, lengths, out)
+    glue.paged_attention(q, cache, tables, table_of, lengths, out)
     np.testing.assert_allclose(out, reference_attention(q, cache, tables, table_of, lengths), atol=2e-5, rtol=1e-4)
 
 
@@ -89,7 +95,7 @@ def test_decode_attention_on_whole_blocks_for_every_group_size(group, half):
     lengths = np.array([16, 96, 37, 64, 1], np.int64)  # whole blocks, then partial ones
     q = 3 * rng.standard_normal((rows, kv_heads * group, 64), dtype=np.float32)
     out = np.empty((rows, kv_heads * group * 64), np.float32)
-    cpu_kernels.paged_attention(q, cache, tables, table_of, lengths, out)
+    glue.paged_attention(q, cache, tables, table_of, lengths, out)
     np.testing.assert_allclose(out, reference_attention(q, cache, tables, table_of, lengths), atol=2e-5, rtol=1e-4)
 
 
@@ -117,7 +123,7 @@ def test_paged_attention_tiles_of_a_rows_tokens(seed, rows, kv_heads, group, blo
     cache = stored(rng.standard_normal((2, kv_heads, 96, block_size, hd), dtype=np.float32), half)
     q, tables, table_of, lengths = row_queries(rng, rows, kv_heads, group, block_size, hd)
     out = np.empty((len(q), kv_heads * group * hd), np.float32)
-    cpu_kernels.paged_attention(q, cache, tables, table_of, lengths, out)
+    glue.paged_attention(q, cache, tables, table_of, lengths, out)
     np.testing.assert_allclose(out, reference_attention(q, cache, tables, table_of, lengths), atol=2e-5, rtol=1e-4)
 
 
@@ -132,12 +138,12 @@ def test_paged_attention_tiles_ignore_nan_past_the_length(half):
     table_of = np.zeros(len(lengths), np.int64)
     q = rng.standard_normal((len(lengths), group, hd), dtype=np.float32)
     before = np.empty((len(q), group * hd), np.float32)
-    cpu_kernels.paged_attention(q, cache, tables, table_of, lengths, before)
+    glue.paged_attention(q, cache, tables, table_of, lengths, before)
     cache[:, :, tables[0, 20], 2:] = nan  # the row's keys past its last token's position
     cache[:, :, tables[0, 21:]] = nan
     cache[:, :, np.setdiff1d(np.arange(96), tables[0])] = nan  # blocks that are not the row's
     after = np.empty_like(before)
-    cpu_kernels.paged_attention(q, cache, tables, table_of, lengths, after)
+    glue.paged_attention(q, cache, tables, table_of, lengths, after)
     np.testing.assert_array_equal(before, after)
 
 
@@ -150,29 +156,29 @@ def test_paged_attention_ignores_keys_past_the_length(half):
     tables = np.array([[2, 0]], dtype=np.int64)
     args = (tables, np.zeros(1, np.int64), np.array([5], np.int64))
     before = np.empty((1, 8), np.float32)
-    cpu_kernels.paged_attention(q, cache, *args, before)
+    glue.paged_attention(q, cache, *args, before)
     cache[:, :, 0, 1:] = big  # keys 6.. of the row: past its length
     cache[:, :, 1] = big  # a block that is not the row's
     after = np.empty((1, 8), np.float32)
-    cpu_kernels.paged_attention(q, cache, *args, after)
+    glue.paged_attention(q, cache, *args, after)
     np.testing.assert_array_equal(before, after)
 
 
-@pytest.mark.parametrize("tokens", sorted(cpu_kernels.FEW_TOKENS))
+@pytest.mark.parametrize("tokens", sorted(FEW_TOKENS))
 @pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (37, 5)])
 def test_few_token_matmul_matches_blas(tokens, shape):
     rng = np.random.default_rng(tokens)
     w = rng.standard_normal(shape, dtype=np.float32)
     x = rng.standard_normal((shape[1], tokens), dtype=np.float32)
-    np.testing.assert_allclose(cpu_kernels.matmul(w, x), w.astype(np.float64) @ x, atol=1e-3, rtol=1e-4)
+    np.testing.assert_allclose(float_product(w, runtime, use_mkl=False).run(x), w.astype(np.float64) @ x, atol=1e-3, rtol=1e-4)
 
 
 def test_matmul_outside_the_few_token_range_is_blas():
     rng = np.random.default_rng(0)
     w = rng.standard_normal((64, 32), dtype=np.float32)
-    for tokens in (max(cpu_kernels.FEW_TOKENS) + 1, 40):
+    for tokens in (max(FEW_TOKENS) + 1, 40):
         x = rng.standard_normal((32, tokens), dtype=np.float32)
-        np.testing.assert_array_equal(cpu_kernels.matmul(w, x), w @ x)
+        np.testing.assert_array_equal(float_product(w, runtime, use_mkl=False).run(x), w @ x)
 
 
 @pytest.mark.parametrize("tokens", [1, 5, 33, 300])
@@ -183,21 +189,21 @@ def test_glue_kernels_match_numpy(tokens):
     rng = np.random.default_rng(tokens)
     x = (rng.standard_normal((576, tokens)) * 3).astype(np.float32)
     want = x / np.sqrt((x.astype(np.float64) ** 2).mean(axis=0, keepdims=True) + 1e-5)
-    np.testing.assert_allclose(cpu_kernels.rms_scale(x, 1e-5), want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(glue.rms_scale(x, 1e-5), want, rtol=1e-5, atol=1e-6)
     gate_up = (rng.standard_normal((2 * 1536, tokens)) * 30).astype(np.float32)
     gate_up[0, 0], gate_up[1, 0] = 200.0, -200.0  # exp(-g) past float32's range either way
     g = gate_up[:1536].astype(np.float64)
     want = g / (1 + np.exp(-g)) * gate_up[1536:]
-    got = cpu_kernels.silu_mul(gate_up)
+    got = glue.silu_mul(gate_up)
     assert np.all(np.isfinite(got))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     # The leading columns of a wider array (MKL's padded products): same result, and no
     # second version of the kernel for the strided layout.
-    built = cpu_kernels.specializations()
+    built = runtime.specializations()
     wide = np.full((gate_up.shape[0], tokens + 11), np.nan, np.float32)
     wide[:, :tokens] = gate_up
-    np.testing.assert_array_equal(cpu_kernels.silu_mul(wide[:, :tokens]), got)
-    assert cpu_kernels.specializations() == built
+    np.testing.assert_array_equal(glue.silu_mul(wide[:, :tokens]), got)
+    assert runtime.specializations() == built
 
 
 @pytest.mark.parametrize("half", [False, True], ids=["float32", "float16"])
@@ -211,7 +217,7 @@ def test_rope_store_rotates_q_and_k_and_writes_the_cache(tokens, half):
     slots = rng.permutation(64 * block_size)[:tokens]
     block, offset = (slots // block_size).astype(np.int64), (slots % block_size).astype(np.int64)
     cache = np.zeros((2, kvh, 64, block_size, hd), np.uint16 if half else np.float32)
-    q = cpu_kernels.rope_store(qkv, rope, block, offset, cache, heads)
+    q = glue.rope_store(qkv, rope, block, offset, cache, heads)
     rot = np.exp(1j * angles)[:, None, :]
     heads_of = np.ascontiguousarray(qkv.T).reshape(tokens, heads + 2 * kvh, hd)
     rotated = (np.ascontiguousarray(heads_of[:, : heads + kvh], np.float64).view(np.complex128) * rot).view(np.float64)
@@ -231,8 +237,8 @@ def test_a_second_process_loads_every_kernel_from_numbas_cache():
     import subprocess
     import sys
 
-    probe = ("from poot.engine.drivers import cpu_kernels as ck; ck.compile(); "
-             "print(sum(len(k.stats.cache_misses) for k in ck._kernels))")
+    probe = ("from poot.engine.drivers.cpu.runtime import shared; r = shared(); r.compile(); "
+             "print(sum(len(k.stats.cache_misses) for k in r.cached()))")
     for _ in range(2):  # the first may fill the cache
         run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
         assert run.returncode == 0, run.stderr
@@ -245,7 +251,7 @@ def test_silu_divides_whole_vectors():
     zero and the loop stays scalar (6x slower at a prompt's width); the kernels use NumPy's."""
     import numba
 
-    from poot.engine.drivers import cpu_kernels_numba as nb
+    from poot.engine.drivers.cpu.kernels import glue as nb
 
     # A fresh build with the kernel's own options: numba shows no assembly for cached code.
     options = {k: v for k, v in nb.silu_rows.targetoptions.items() if k not in ("cache", "nopython")}
@@ -261,8 +267,8 @@ def test_glue_runs_give_every_thread_the_same_number_of_runs(tokens, threads):
     """A 176-token chunk in runs of 64 gave one of two threads 128 tokens and the other 48.
     Runs now come in a multiple of the thread count, as even as whole tokens allow, and
     no longer than TOKEN_RUN."""
-    run = cpu_kernels.run_length(tokens, threads)
+    run = run_length(tokens, threads)
     runs = -(-tokens // run)
-    assert 1 <= run <= cpu_kernels.TOKEN_RUN
+    assert 1 <= run <= TOKEN_RUN
     assert runs % threads == 0 or runs < threads
     assert runs * run - tokens < runs  # the last run is short by less than one token per run

@@ -11,12 +11,14 @@ import importlib.util
 
 import pytest
 
-from poot.engine.drivers import cpu_kernels
+from poot.engine.drivers.cpu.runtime import shared
+
+runtime = shared()
 
 
 @pytest.mark.skipif(importlib.util.find_spec("numba") is None, reason="numba is not installed")
 def test_installed_numba_builds_every_kernel():
-    assert cpu_kernels.available(), cpu_kernels.unavailable_reason()
+    assert runtime.available(), runtime.unavailable_reason()
 
 
 @pytest.mark.skipif(importlib.util.find_spec("numba") is None, reason="numba is not installed")
@@ -25,9 +27,9 @@ def test_every_kernel_releases_the_gil():
     answers /health: a kernel that held the GIL would stop that loop for its whole run."""
     from numba.core.registry import CPUDispatcher
 
-    from poot.engine.drivers import cpu_attention_kernels, cpu_kernels_numba
-
-    kernels = {name: f for module in (cpu_kernels_numba, cpu_attention_kernels) for name, f in vars(module).items()
+    runtime.compile()
+    modules = list(runtime.kernels)  # every kernel module of engine/drivers/cpu/kernels/
+    kernels = {name: f for module in modules for name, f in vars(module).items()
                if isinstance(f, CPUDispatcher) and not f.targetoptions.get("inline") == "always"}
     assert len(kernels) >= 10
     holding = sorted(name for name, f in kernels.items() if not f.targetoptions.get("nogil"))
@@ -36,15 +38,15 @@ def test_every_kernel_releases_the_gil():
 
 def test_a_driver_without_its_kernels_says_so_in_the_log(monkeypatch, caplog):
     """Several times slower on the plain NumPy path: the operator reads why in the log."""
-    from poot.engine.drivers.numpy_driver import NumpyDriver
+    from poot.engine.drivers.cpu import CpuDriver
     from poot.engine.models.synthetic import synthetic_llama
     from poot.engine.plan import fit_plan
 
-    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
-    monkeypatch.setattr(cpu_kernels, "_error", "ImportError: no numba here")
+    monkeypatch.setattr(runtime, "available", lambda: False)
+    monkeypatch.setattr(runtime, "error", "ImportError: no numba here")
     model = synthetic_llama(0)
-    driver = NumpyDriver(memory_bytes=1 << 30)
+    driver = CpuDriver(memory_bytes=1 << 30)
     with caplog.at_level("WARNING", logger="poot.engine"):
         driver.prepare(fit_plan(driver.device(), model.config, 0, model.name), model)
-    assert driver.kernels is None
+    assert driver.products is None
     assert "no numba here" in caplog.text and "plain NumPy path" in caplog.text

@@ -1,5 +1,5 @@
-"""The CPU driver's decoder stack (engine/drivers/cpu_layers.py, cpu_layer_kernels.py): a
-program's Llama layers in one compiled call. It changes how a step is run, never what: the
+"""The CPU driver's decoder stack (engine/drivers/cpu/decoder_stack.py, cpu/kernels/decoder.py): a
+program's Llama layers (its llama_layer ops) in one compiled call. It changes how a step is run, never what: the
 same logits and the same KV cache, bit for bit, as the op-by-op walk, for any mix of rows."""
 
 from __future__ import annotations
@@ -11,26 +11,26 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from poot.engine.drivers import cpu_kernels
 from poot.engine.drivers.base import RowWork
-from poot.engine.drivers.numpy_driver import NumpyDriver
+from poot.engine.drivers.cpu import CpuDriver
+from poot.engine.drivers.cpu.products.vnni import VnniPath
+from poot.engine.drivers.cpu.runtime import shared
 from poot.engine.models import family
 from poot.engine.models.synthetic import synthetic_llama, synthetic_mamba
-from poot.engine.ops import Op
 from poot.engine.plan import fit_plan
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.int8_supported(),
+pytestmark = pytest.mark.skipif(not VnniPath.available(shared()),
                                 reason="the decoder stack runs the integer products (AVX-512 VNNI)")
 
 
-def _driver(model, stack: bool, every_count: bool = True) -> NumpyDriver:
+def _driver(model, stack: bool, every_count: bool = True) -> CpuDriver:
     """A prepared driver; `every_count`: every layer product on the integer path at every token
     count (the tiny model's measured choice may put some on a float path), so the stack takes
     every step."""
-    driver = NumpyDriver(memory_bytes=1 << 30, stack=stack)
+    driver = CpuDriver(memory_bytes=1 << 30, stack=stack)
     driver.prepare(fit_plan(driver.device(), model.config, 0, model.name), model)
     if every_count:
-        for _, product in driver.kernels._blocks.values():
+        for product in driver.products.on_codes():
             product.table = [(1 << 30, "int8")]
     return driver
 
@@ -54,21 +54,37 @@ def test_the_stack_is_built_for_a_block_coded_llama_only(model, pair):
     assert _driver(synthetic_mamba(1), True, every_count=False).stack is None, "not the Llama layer"
 
 
-def test_layer_span_takes_only_a_program_of_whole_llama_layers(model):
-    from poot.engine.drivers.cpu_layers import LAYER, layer_span
+def test_the_stack_takes_the_llama_layer_ops_the_program_names(model):
+    from poot.engine.drivers.cpu.decoder_stack import layer_span
 
     program = family(model.config).program(model.config)
     layers = model.config.num_layers
-    assert layer_span(program) == (1, 1 + layers * len(LAYER), layers)
+    assert layer_span(program) == (1, 1 + layers, layers)
+    assert layer_span(program.unfused()) is None, "the parts alone are not the op"
     ops = list(program.ops)
     swapped = ops[:]
-    swapped[2], swapped[3] = swapped[3], swapped[2]  # attention before the KV write
+    swapped[1], swapped[2] = ops[2], ops[1]  # layer 1 first: layer i is not the pool's entry i
     assert layer_span(dataclasses.replace(program, ops=tuple(swapped))) is None
-    wrong_cache = ops[:]
-    wrong_cache[3] = dataclasses.replace(ops[3], layer=1)  # layer 0 attends layer 1's cache
-    assert layer_span(dataclasses.replace(program, ops=tuple(wrong_cache))) is None
-    extra = ops[:-2] + [Op("rms_norm", ("x",), "h")] + ops[-2:]  # a norm outside any layer
-    assert layer_span(dataclasses.replace(program, ops=tuple(extra))) is None
+
+
+def test_a_layer_edited_inside_its_op_keeps_the_stack_and_differs_from_its_parts(model, monkeypatch):
+    """The stack runs the op the program names, whatever its parts say: an edit to the parts
+    does not quietly send every step to the walk, and the walk's logits tell the two apart."""
+    from poot.engine.models import llama
+
+    program = llama.program
+
+    def edited(config):
+        p = program(config)
+        first = p.ops[1]
+        parts = first.parts[:5] + first.parts[6:]  # layer 0's second norm left out
+        return dataclasses.replace(p, ops=(p.ops[0], dataclasses.replace(first, parts=parts), *p.ops[2:]))
+
+    monkeypatch.setattr(llama, "program", edited)
+    stacked, walked = _driver(model, True), _driver(model, False)
+    assert stacked.stack is not None
+    ours, theirs = _feed(stacked, [0], [[(0, [1, 2, 3])]]), _feed(walked, [0], [[(0, [1, 2, 3])]])
+    assert not np.array_equal(ours[0], theirs[0])
 
 
 def _feed(driver, rows, steps):
@@ -123,11 +139,11 @@ def test_stacked_layers_give_the_op_walks_logits_and_cache_bit_for_bit(pair, dat
 
 
 def test_a_step_the_stack_does_not_take_walks_the_ops(model, monkeypatch):
-    from poot.engine.drivers import cpu_block_products
+    from poot.engine.drivers.cpu.products import Product
 
-    monkeypatch.setattr(cpu_block_products.BlockProduct, "keep_only", lambda self, paths: None)  # every path kept
+    monkeypatch.setattr(Product, "keep_only", lambda self, paths: None)  # every path kept
     driver = _driver(model, True, every_count=False)
-    for _, product in driver.kernels._blocks.values():  # two tokens and more on a float path
+    for product in driver.products.on_codes():  # two tokens and more on a float path
         product.table = [(1, "int8"), (1 << 30, "blocks")]
     runs = _stack_runs(driver, monkeypatch)
     _feed(driver, [0, 1], [[(0, [5, 6, 7])], [(0, [8])], [(0, [9]), (1, [10, 11])], [(1, [12])]])
@@ -135,7 +151,7 @@ def test_a_step_the_stack_does_not_take_walks_the_ops(model, monkeypatch):
 
 
 def test_nothing_is_built_after_the_warm_up_whatever_the_token_counts(model):
-    driver = NumpyDriver(memory_bytes=1 << 30)
+    driver = CpuDriver(memory_bytes=1 << 30)
     driver.prepare(fit_plan(driver.device(), model.config, 0, model.name), model)
     driver.warm_up()
     assert driver.stack is not None
@@ -148,23 +164,25 @@ def test_nothing_is_built_after_the_warm_up_whatever_the_token_counts(model):
 def test_a_callee_file_changes_the_stacks_cache_stamp(tmp_path, monkeypatch):
     """numba checks a cached kernel against its own file; the stack's machine code also holds
     its callees', so their files are in its stamp."""
-    from poot.engine.drivers import cpu_layer_kernels
+    import os
+
+    from poot.engine.drivers.cpu import runtime
+    from poot.engine.drivers.cpu.kernels import decoder
 
     callee = tmp_path / "callee.py"
     callee.write_text("x = 1\n")
-    monkeypatch.setattr(cpu_layer_kernels, "CALLEE_FILES", (str(callee),))
-    locator = cpu_layer_kernels._InTree.from_function(cpu_layer_kernels.decoder_layers.py_func,
-                                                       cpu_layer_kernels.__file__)
+    rule = runtime.KernelCacheStamp(os.path.dirname(decoder.__file__), (str(callee),))
+    locator = rule.locator(decoder.decoder_layers.py_func)
     before = locator.get_source_stamp()
     callee.write_text("x = 2\n")
     assert locator.get_source_stamp() != before
-    assert cpu_layer_kernels._InTree.from_function(cpu_kernels.compile, cpu_kernels.__file__) is None, \
-        "other modules' kernels keep numba's own locators"
-    assert isinstance(cpu_layer_kernels.decoder_layers._cache._impl.locator, cpu_layer_kernels._StampedWithCallees)
+    assert rule.locator(runtime.Runtime.compile) is None, "other modules' functions keep numba's own locators"
+    shared().compile()  # the runtime applies its rule to every kernel of the folder
+    assert isinstance(decoder.decoder_layers._cache._impl.locator, runtime.StampedLocator)
 
 
 def test_a_product_shares_only_arrays_like_its_own(pair):
-    product = pair[0].stack.products[0]
-    codes = product.kernel_codes
+    product = pair[0].stack.products[0].path("int8")
+    codes = product.codes
     with pytest.raises(ValueError, match="must match"):
         product.share(codes[:, 1:], product.scales, product.lane_scales, product.colscale)

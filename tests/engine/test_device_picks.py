@@ -7,7 +7,7 @@ import numpy as np
 
 from poot.engine import SamplingParams
 from poot.engine.drivers.base import Pick, RowWork
-from poot.engine.drivers.numpy_driver import NumpyDriver
+from poot.engine.drivers.cpu import CpuDriver
 from poot.engine.models.byte_tokenizer import EOS_ID
 from poot.engine.random_stream import random_stream
 from poot.engine.sampler import sample
@@ -86,7 +86,7 @@ def test_the_numpy_driver_returns_ids_for_marked_rows_and_logits_for_the_rest():
     assert out.token_ids.tolist() == want
     np.testing.assert_array_equal(out.logits, full.logits[[1, 2, 3, 5, 6]])
     assert out.picked == [True, False, True, False] and full.picked == [False] * 4
-    assert isinstance(driver, NumpyDriver) and plan.rows >= 4
+    assert isinstance(driver, CpuDriver) and plan.rows >= 4
 
 
 def test_a_steps_picked_field_names_the_rows_that_got_token_ids():

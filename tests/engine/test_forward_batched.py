@@ -5,7 +5,7 @@ import pytest
 from poot_mutants.engine_parts import NoLengthMask, SharedPosition
 
 from poot.engine.drivers.base import RowWork
-from poot.engine.drivers.numpy_driver import NumpyDriver
+from poot.engine.drivers.cpu import CpuDriver
 from poot.engine.models.synthetic import synthetic_llama
 from poot.engine.plan import fit_plan
 
@@ -14,7 +14,7 @@ from .harness import HALF_KV_RELATIVE, half_kv, logit_tolerance
 BS = 16
 
 
-def make_driver(cls=NumpyDriver, compact=True):
+def make_driver(cls=CpuDriver, compact=True):
     model = synthetic_llama(3)
     driver = cls(memory_bytes=1 << 30, compact=compact)
     plan = fit_plan(driver.device(), model.config, 0, model.name)
@@ -98,21 +98,22 @@ def test_compiled_kernels_and_the_numpy_path_give_the_same_logits(mkl, compact, 
     for the many-token ones) change how a step is computed, never what: a mixed step of a
     prefill chunk, short multi-token rows (the verification shape) and decode rows, with
     scattered block tables, agrees with the plain NumPy path."""
-    from poot.engine.drivers import cpu_kernels, mkl_products
+    from poot.engine.drivers.cpu.platform import mkl as mkl_products
+    from poot.engine.drivers.cpu.runtime import shared
 
-    if not cpu_kernels.available():
-        pytest.skip(cpu_kernels.unavailable_reason())
+    if not shared().available():
+        pytest.skip(shared().unavailable_reason())
     if mkl and not mkl_products.available():
         pytest.skip(mkl_products.unavailable_reason())
     monkeypatch.setattr(mkl_products, "MIN_PACKED_WEIGHTS", 1)  # the tiny model's weights too
     model = synthetic_llama(5)
     drivers = []
     for kernels in (True, False):
-        d = NumpyDriver(memory_bytes=1 << 30, kernels=kernels, mkl=mkl, compact=compact)
+        d = CpuDriver(memory_bytes=1 << 30, kernels=kernels, mkl=mkl, compact=compact)
         d.prepare(fit_plan(d.device(), model.config, 0, model.name), model)
         drivers.append(d)
-    assert drivers[0].kernels is not None and drivers[1].kernels is None
-    assert (drivers[0].kernels.packed == 4 * model.config.num_layers + 1) == mkl
+    assert drivers[0].products is not None and drivers[1].products is None
+    assert (drivers[0].products.packed == 4 * model.config.num_layers + 1) == mkl
     rng = np.random.default_rng(4)
     blocks = rng.permutation(drivers[0].plan.num_blocks)
     ps = prompts(7, 6, lo=30, hi=70)

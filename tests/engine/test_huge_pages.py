@@ -1,4 +1,4 @@
-"""The KV pool and large weight codes on 2 MiB pages (engine/drivers/huge_pages.py)."""
+"""The KV pool and large weight codes on 2 MiB pages (engine/drivers/cpu/platform/huge_pages.py)."""
 
 import re
 from pathlib import Path
@@ -6,8 +6,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from poot.engine.drivers import huge_pages
-from poot.engine.drivers.huge_pages import HUGE_PAGE
+from poot.engine.drivers.cpu.platform import huge_pages
+from poot.engine.drivers.cpu.platform.huge_pages import HUGE_PAGE
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -64,12 +64,12 @@ def test_the_kernel_backs_it_with_huge_pages():
 
 
 def test_the_numpy_drivers_kv_pool_is_allocated_there():
-    from poot.engine.drivers.numpy_driver import NumpyDriver
+    from poot.engine.drivers.cpu import CpuDriver
     from poot.engine.models.synthetic import synthetic_llama
     from poot.engine.plan import fit_plan
 
     model = synthetic_llama(3)
-    driver = NumpyDriver(memory_bytes=1 << 30)
+    driver = CpuDriver(memory_bytes=1 << 30)
     driver.prepare(fit_plan(driver.device(), model.config, 0, model.name), model)
     layers = [kv for kv in driver.kv if kv is not None]
     assert layers and all(kv.nbytes >= HUGE_PAGE for kv in layers)

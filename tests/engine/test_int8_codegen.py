@@ -1,9 +1,9 @@
-"""What the compiler makes of the integer tile (engine/drivers/cpu_int8_kernels.py).
+"""What the compiler makes of the integer tile (engine/drivers/cpu/kernels/vnni_tile.py).
 
 LLVM's tuning for Intel cores with VNNI (rocketlake, the name a Xeon VM reported, and
 sapphirerapids; not znver4) rewrites each vpdpwssd into vpmaddwd + vpaddd, two instructions on
 the same two vector ports: the multi-token products ran at two thirds of their speed there.
-cpu_kernels asks for the fused instruction; these checks read the tile's machine code, for this
+The runtime asks for the fused instruction; these checks read the tile's machine code, for this
 CPU and for an Intel core's tuning, in a fresh interpreter (the target is fixed by the first
 compile in a process, and cached code cannot be disassembled)."""
 
@@ -15,28 +15,31 @@ import sys
 
 import pytest
 
-from poot.engine.drivers import cpu_kernels
+from poot.engine.drivers.cpu.products.vnni import VnniPath
+from poot.engine.drivers.cpu.runtime import shared
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason=cpu_kernels.unavailable_reason())
+runtime = shared()
+pytestmark = pytest.mark.skipif(not runtime.available(), reason=runtime.unavailable_reason())
 
 _PROGRAM = """
 import collections, json, re, sys
 import numba
 import numpy as np
-from poot.engine.drivers import cpu_kernels
+from poot.engine.drivers.cpu import runtime
 tuning = sys.argv[1]
 if tuning == "host":
-    cpu_kernels.compile()
+    runtime.shared().compile()
 else:  # the driver's features, another core's tuning (this host must run the code)
-    cpu_kernels._prefer_wide_vectors(numba)
+    runtime.prefer_wide_vectors(numba)
     numba.config.CPU_NAME = tuning
-from poot.engine.drivers import cpu_int8_kernels as k
+from poot.engine.drivers.cpu.kernels import vnni_layout
+from poot.engine.drivers.cpu.kernels import vnni_tile as k
 
 @numba.njit  # no cache: its machine code must be readable
 def wide(codes, dw, mw, v, dx, c, out):
     k.tile_wide_4(codes, dw, mw, v, dx, c, out, 0, 0, 4, 1, 0)
 
-lanes = k.lane_width(18)
+lanes = vnni_layout.lane_width(18)
 scales = np.zeros((4, lanes), np.float32)
 wide(np.zeros((4, 288), np.uint8), scales, scales, np.zeros((4, 576), np.int16), scales, scales,
      np.zeros(16, np.float32))
@@ -53,7 +56,7 @@ def _tile_instructions(tuning: str) -> dict[str, int]:
 
 @pytest.mark.parametrize("tuning", ["host", "sapphirerapids"])
 def test_the_tiles_dot_products_stay_one_instruction_each(tuning):
-    if not cpu_kernels.int8_supported():
+    if not VnniPath.available(runtime):
         pytest.skip("this CPU has no AVX-512 VNNI")
     counts = _tile_instructions(tuning)
     # A 4 x 4 tile over 576 codes: 18 blocks, 9 chunks of 64, two dot products a chunk for

@@ -89,7 +89,7 @@ def test_compile_count_is_constant_from_prepare_whatever_comes_after(packed, mon
     size), nothing compiles after the driver prepared. With MKL's packed products (every
     weight of the tiny model packed) a product's result is a view of a padded array: the
     kernels that take it must not build a second version for that layout."""
-    from poot.engine.drivers import mkl_products
+    from poot.engine.drivers.cpu.platform import mkl as mkl_products
 
     if packed:
         if not mkl_products.available():
@@ -97,7 +97,7 @@ def test_compile_count_is_constant_from_prepare_whatever_comes_after(packed, mon
         monkeypatch.setattr(mkl_products, "MIN_PACKED_WEIGHTS", 1)
     engine = make_engine()
     if packed:
-        assert engine.driver.kernels.packed > 0
+        assert engine.driver.products.packed > 0
     compiles = engine.metrics()["engine_compiles"]
     submit(engine, "warm", greedy(2))
     run_until_idle(engine)
@@ -155,11 +155,11 @@ def test_a_stop_string_ends_the_output_before_it_and_is_never_streamed():
 
 def test_eos_ends_a_request_with_reason_stop_and_no_eos_text():
     from poot.engine import Engine
-    from poot.engine.drivers.numpy_driver import NumpyDriver
+    from poot.engine.drivers.cpu import CpuDriver
     from poot.engine.models.synthetic import synthetic_llama
 
     # Its own model: the test edits the weights.
-    engine = Engine.create(synthetic_llama(0), driver=NumpyDriver(memory_bytes=1 << 30))
+    engine = Engine.create(synthetic_llama(0), driver=CpuDriver(memory_bytes=1 << 30))
     probe, _ = submit(engine, "eos", greedy(3, ignore_eos=True))
     run_until_idle(engine)
     first, second = probe.token_ids[:2]

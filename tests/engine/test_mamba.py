@@ -10,7 +10,7 @@ from poot_mutants.engine_parts import RegisterRecurrentPrefix, StaleRecurrentSta
 
 from poot.engine import Engine, SamplingParams
 from poot.engine.drivers.base import RowWork
-from poot.engine.drivers.numpy_driver import NumpyDriver
+from poot.engine.drivers.cpu import CpuDriver
 from poot.engine.models.base import ModelLoadError
 from poot.engine.models.mamba import load_mamba_gguf
 from poot.engine.models.synthetic import synthetic_mamba
@@ -55,7 +55,7 @@ def reference_logits(model, tokens: list[int]) -> np.ndarray:
     return np.array(out)
 
 
-def make_driver(model=None, cls=NumpyDriver, backend="numpy"):
+def make_driver(model=None, cls=CpuDriver, backend="numpy"):
     model = model or synthetic_mamba(1)
     driver = (cls if backend == "numpy" else driver_factory(backend))(memory_bytes=1 << 30)
     plan = fit_plan(driver.device(), model.config, 0, model.name)
@@ -142,18 +142,18 @@ def test_a_row_reopened_on_a_backend_starts_from_zero_state(backend):
     np.testing.assert_allclose(prefill(reused, 4, second), prefill(fresh, 4, second), atol=TOLERANCE[backend], rtol=0)
 
 
-@pytest.mark.parametrize("cls", [NumpyDriver, StaleRecurrentState], ids=["reference", "stale_recurrent_state"])
+@pytest.mark.parametrize("cls", [CpuDriver, StaleRecurrentState], ids=["reference", "stale_recurrent_state"])
 def test_a_row_opened_by_a_new_sequence_starts_from_zero_state(cls):
     fresh, _ = make_driver()
     reused, _ = make_driver(cls=cls)
     first, second = prompts(3, 2, 20, 21)
     prefill(reused, 4, first)  # the row's previous owner leaves its state behind
     same = np.allclose(prefill(reused, 4, second), prefill(fresh, 4, second), atol=1e-5, rtol=0)
-    assert same == (cls is NumpyDriver)
+    assert same == (cls is CpuDriver)
 
 
 def engine(backend="numpy", **parts):
-    driver = (NumpyDriver if backend == "numpy" else driver_factory(backend))(memory_bytes=1 << 30)
+    driver = (CpuDriver if backend == "numpy" else driver_factory(backend))(memory_bytes=1 << 30)
     return Engine.create(synthetic_mamba(0), driver=driver, **parts)
 
 

@@ -13,7 +13,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from poot.engine.drivers import cpu_kernels, mkl_products
+from poot.engine.drivers.cpu.platform import mkl as mkl_products
+from poot.engine.drivers.cpu.products.few_tokens import FEW_TOKENS
+from poot.engine.drivers.cpu.runtime import shared
+
+runtime = shared()
 
 needs_mkl = pytest.mark.skipif(not mkl_products.available(), reason=mkl_products.unavailable_reason())
 
@@ -123,58 +127,59 @@ def test_batched_products_match_numpy_for_plain_and_transposed_views(transpose_a
 
 @needs_mkl
 def test_the_kernels_send_many_token_products_to_mkl_and_few_token_ones_not(monkeypatch):
-    if not cpu_kernels.available():
-        pytest.skip(cpu_kernels.unavailable_reason())
+    from poot.engine.drivers.cpu.products import ModelProducts
+
+    if not runtime.available():
+        pytest.skip(runtime.unavailable_reason())
     rng = np.random.default_rng(3)
     w = rng.standard_normal((512, 256), dtype=np.float32)  # above MIN_PACKED_WEIGHTS
     small = rng.standard_normal((8, 8), dtype=np.float32)
-    kernels = cpu_kernels.Kernels([w, small])
-    assert kernels.packed == 1
+    products = ModelProducts({"w": w, "small": small}, ["w", "small"], runtime)
+    assert products.packed == 1
     calls = []
     real = mkl_products.matmul
     monkeypatch.setattr(mkl_products, "matmul", lambda p, x: calls.append(x.shape[1]) or real(p, x))
-    for tokens in (1, max(cpu_kernels.FEW_TOKENS), max(cpu_kernels.FEW_TOKENS) + 1, 64):
+    for tokens in (1, max(FEW_TOKENS), max(FEW_TOKENS) + 1, 64):
         x = rng.standard_normal((256, tokens), dtype=np.float32)
-        np.testing.assert_allclose(kernels.matmul(w, x), w.astype(np.float64) @ x, atol=1e-3, rtol=1e-4)
-    assert calls == [max(cpu_kernels.FEW_TOKENS) + 1, 64]
-    copy = w.copy()  # equal values, another array: not the packed one
-    kernels.matmul(copy, rng.standard_normal((256, 20), dtype=np.float32))
-    assert calls == [max(cpu_kernels.FEW_TOKENS) + 1, 64]
+        np.testing.assert_allclose(products["w"].run(x), w.astype(np.float64) @ x, atol=1e-3, rtol=1e-4)
+    assert calls == [max(FEW_TOKENS) + 1, 64]
+    products["small"].run(rng.standard_normal((8, 20), dtype=np.float32))  # not packed: not on MKL
+    assert calls == [max(FEW_TOKENS) + 1, 64]
 
 
 @needs_mkl
 def test_the_plan_counts_the_packed_copies_of_the_weights(monkeypatch):
     """The packed copies live beside the originals (the few-token kernel reads those), so
     the memory the plan fits the KV pool into must leave room for both."""
-    from poot.engine.drivers.numpy_driver import NumpyDriver
+    from poot.engine.drivers.cpu import CpuDriver
     from poot.engine.models.synthetic import synthetic_llama
 
-    if not cpu_kernels.available():
-        pytest.skip(cpu_kernels.unavailable_reason())
+    if not runtime.available():
+        pytest.skip(runtime.unavailable_reason())
     monkeypatch.setattr(mkl_products, "MIN_PACKED_WEIGHTS", 1)
     model = synthetic_llama(5)
     raw = sum(w.nbytes for w in model.weights.values())
     matrices = sum(w.nbytes for w in model.weights.values() if w.ndim == 2)
-    assert NumpyDriver(mkl=False).weight_bytes(model) == raw
-    assert NumpyDriver().weight_bytes(model) == raw + matrices
+    assert CpuDriver(mkl=False).weight_bytes(model) == raw
+    assert CpuDriver().weight_bytes(model) == raw + matrices
 
 
 def test_the_token_budget_is_a_whole_number_of_product_widths():
     """MKL computes a product of T tokens on T rounded up to PAD_TOKENS columns, so a step just
     over a width costs a whole width more: a plan whose driver pads that way rounds its budget
     down to whole widths (Plan.step_budget)."""
-    from poot.engine.drivers.numpy_driver import NumpyDriver
+    from poot.engine.drivers.cpu import CpuDriver
     from poot.engine.models.synthetic import synthetic_llama
     from poot.engine.plan import fit_plan
 
     model = synthetic_llama(5)
-    plain = NumpyDriver(memory_bytes=1 << 30, mkl=False).device()
+    plain = CpuDriver(memory_bytes=1 << 30, mkl=False).device()
     assert plain.token_multiple == 1
     budget = fit_plan(plain, model.config, 0).token_budget
     rounded = fit_plan(dataclasses.replace(plain, token_multiple=16), model.config, 0).token_budget
     assert rounded % 16 == 0 and budget - 16 < rounded <= budget
-    if mkl_products.available() and cpu_kernels.available():
-        assert NumpyDriver(memory_bytes=1 << 30).device().token_multiple == mkl_products.PAD_TOKENS
+    if mkl_products.available() and runtime.available():
+        assert CpuDriver(memory_bytes=1 << 30).device().token_multiple == mkl_products.PAD_TOKENS
 
 
 def _mapping_flags(address: int) -> list[str]:

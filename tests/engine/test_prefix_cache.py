@@ -8,7 +8,7 @@ import pytest
 from poot_mutants.engine_parts import LeakBlockOnCancel, NoCancelPrefix, NoPrefixRegistration, NoPrefixReuse
 
 from poot.engine import Engine, SamplingParams
-from poot.engine.drivers.numpy_driver import NumpyDriver
+from poot.engine.drivers.cpu import CpuDriver
 from poot.engine.models.synthetic import synthetic_llama
 from poot.engine.plan import Plan
 from poot.engine.prefix_cache import PrefixCache
@@ -24,7 +24,7 @@ def planned_engine(num_blocks: int = 8, rows: int = 4, token_budget: int = 64, b
     prefill within reach of short prompts."""
     model = synthetic_llama(seed)
     plan = Plan("numpy", rows, positions, block_size, num_blocks, token_budget, model.name)
-    driver = NumpyDriver()
+    driver = CpuDriver()
     driver.prepare(plan, model)
     return engine_class(model, driver, plan, None, **parts)
 

@@ -1,11 +1,11 @@
-"""Choosing each product's path by measurement (engine/drivers/cpu_product_choice.py), on fake
+"""Choosing each product's path by measurement (engine/drivers/cpu/products/choice.py), on fake
 products whose paths cost what the test says, timed on a fake clock."""
 
 from __future__ import annotations
 
 import pytest
 
-from poot.engine.drivers import cpu_product_choice as choice
+from poot.engine.drivers.cpu.products import choice
 
 
 class FakeProduct:
@@ -122,3 +122,25 @@ def test_a_moments_noise_does_not_hand_a_bucket_to_another_pool():
     products = [FakeProduct((64, 32), ("int8", "openblas"))]
     made, _, _ = _choose(products, cost, max_tokens=128)
     assert made[0].table == [(128, "int8")] and products[0].kept == {"int8"}
+
+
+def test_a_choice_comes_back_from_its_plain_data():
+    """The measured choice as JSON and back sets the same tables on the same shapes without
+    timing anything; it is refused, and nothing set, where the products differ."""
+    import json
+
+    def model():
+        return [FakeProduct((64, 32), ("int8", "mkl")) for _ in range(3)] + [FakeProduct((100, 32), ("int8",), head=True)]
+
+    measured = model()
+    made, _, _ = _choose(measured, lambda s, p, t: 1 + t / 4 if p == "int8" else 6)
+    choices = [choice.ShapeChoice.from_data(d) for d in json.loads(json.dumps([c.as_data() for c in made]))]
+    again = model()
+    assert choice.restore(again, choices)
+    assert [(p.table, p.kept) for p in again] == [(p.table, p.kept) for p in measured]
+    assert [c.describe() for c in choices] == [c.describe() for c in made]
+    fewer = model()[1:]  # two matrices of the shape measured three times
+    lacking = [FakeProduct((64, 32), ("int8",)) for _ in range(3)] + model()[3:]  # no mkl path
+    for products in (fewer, lacking, model()[:3]):
+        assert not choice.restore(products, choices)
+        assert all(p.table == [] and p.kept is None for p in products)

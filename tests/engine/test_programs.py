@@ -42,3 +42,18 @@ def test_an_unknown_op_is_refused():
     with pytest.raises(ValueError, match="unknown op"):
         Op("softmax")
     assert not Program((), {}).paged and not Program((), {}).recurrent
+
+
+def test_a_fused_op_stands_for_its_parts():
+    from poot.engine.ops import fused
+
+    parts = [Op("rms_norm", ("x",), "h"), Op("matmul", ("h",), "y", ("w1",)), Op("matmul_add", ("y",), "x", ("w2",))]
+    op = fused("llama_layer", parts, layer=3)
+    assert (op.reads, op.writes, op.weights, op.layer, op.parts) == (("x",), "x", ("w1", "w2"), 3, tuple(parts))
+    program = Program((Op("embed", (), "x", ("embed",)), op), {"x": 4, "h": 4, "y": 4})
+    assert program.unfused().ops == (program.ops[0], *parts)
+    assert program.weight_names() == ["embed", "w1", "w2"]
+    with pytest.raises(ValueError, match="takes no parts"):
+        Op("rms_norm", ("x",), "h", parts=(parts[0],))
+    with pytest.raises(ValueError, match="made of parts"):
+        Op("llama_layer")

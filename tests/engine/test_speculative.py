@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from poot.engine import Engine, SamplingParams
-from poot.engine.drivers.numpy_driver import NumpyDriver
+from poot.engine.drivers.cpu import CpuDriver
 from poot.engine.models.synthetic import synthetic_llama
 from poot.engine.sampler import probabilities, sample
 from poot.engine.speculative import DraftPolicy, NgramPolicy, lookup, make_draft_policy
@@ -22,7 +22,7 @@ from .harness import greedy, make_engine, submit
 # ---- helpers ----------------------------------------------------------------------------
 
 
-class CheckingDriver(NumpyDriver):
+class CheckingDriver(CpuDriver):
     """A NumPy driver that checks every row it is fed stays inside the positions reserved at
     open (prompt + max_tokens) and inside its block table."""
 
@@ -385,7 +385,7 @@ def test_sampled_outputs_keep_the_target_distribution():
     params = SamplingParams(max_tokens=4, temperature=1.3, top_k=3, ignore_eos=True)
     model = synthetic_llama(0)
     prompt = model.encode_prompt("ab ab ab")
-    probe = NumpyDriver(memory_bytes=1 << 30)
+    probe = CpuDriver(memory_bytes=1 << 30)
     probe_engine = Engine.create(model, driver=probe)
     table = list(range(probe_engine.plan.blocks_for(len(prompt) + 8)))
     probe.open_row(0, table)

@@ -15,7 +15,7 @@ from poot_mutants.engine_parts import DieFreesBlocks, PreemptYoungest, RefuseFai
 
 from poot.engine import Engine, EngineDead, SamplingParams
 from poot.engine.drivers.base import DeviceFault
-from poot.engine.drivers.numpy_driver import NumpyDriver
+from poot.engine.drivers.cpu import CpuDriver
 from poot.engine.events import Finished
 from poot.engine.models.synthetic import synthetic_llama
 from poot.engine.plan import Plan
@@ -36,7 +36,7 @@ class LoopMachine(RuleBasedStateMachine):
         if shape == "two rows":  # every row taken soon: requests wait for rows, not only room
             model = synthetic_llama(0)
             plan = Plan("numpy", 2, 256, 16, 32, 64, model.name)
-            driver = NumpyDriver()
+            driver = CpuDriver()
             driver.prepare(plan, model)
             self.engine = self.engine_class(model, driver, plan, None)
         else:
@@ -288,10 +288,10 @@ class RecurrentMachine(LoopMachine):
     @initialize()
     def start(self):
         from poot.engine import Engine
-        from poot.engine.drivers.numpy_driver import NumpyDriver
+        from poot.engine.drivers.cpu import CpuDriver
         from poot.engine.models.synthetic import synthetic_mamba
 
-        self.engine = Engine.create(synthetic_mamba(0), driver=NumpyDriver(memory_bytes=1 << 30))
+        self.engine = Engine.create(synthetic_mamba(0), driver=CpuDriver(memory_bytes=1 << 30))
         self.setup()
 
 
@@ -306,7 +306,7 @@ def two_rows_taken(engine_class) -> LoopMachine:
     """A machine on two rows, both taken, and a third request waiting."""
     model = synthetic_llama(0)
     plan = Plan("numpy", 2, 256, 16, 32, 64, model.name)
-    driver = NumpyDriver()
+    driver = CpuDriver()
     driver.prepare(plan, model)
     machine = LoopMachine()
     machine.engine = engine_class(model, driver, plan, None)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from poot.engine import Engine
-from poot.engine.drivers.numpy_driver import NumpyDriver
+from poot.engine.drivers.cpu import CpuDriver
 from poot.engine.models.synthetic import synthetic_llama
 from poot.engine.plan import Plan
 
@@ -15,7 +15,7 @@ from .harness import greedy, run_until_idle, submit
 def one_row_engine() -> Engine:
     model = synthetic_llama(0)
     plan = Plan("numpy", 1, 256, 16, 16, 32, model.name, idle_token_budget=32)
-    driver = NumpyDriver()
+    driver = CpuDriver()
     driver.prepare(plan, model)
     return Engine(model, driver, plan, None)
 

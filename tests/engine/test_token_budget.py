@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from poot_mutants.engine_parts import LaxStepCheck, NoPrefillBudget
 
 from poot.engine import Engine
-from poot.engine.drivers.numpy_driver import NumpyDriver
+from poot.engine.drivers.cpu import CpuDriver
 from poot.engine.models.synthetic import synthetic_llama
 from poot.engine.plan import DeviceInfo, Plan, fit_plan, idle_prefill_chunk, weight_read_tokens
 
@@ -19,7 +19,7 @@ from .harness import greedy, run_until_idle, submit
 
 
 def budget_engine(token_budget: int, idle_token_budget: int, rows: int = 4, positions: int = 256,
-                  driver_class=NumpyDriver, **parts) -> Engine:
+                  driver_class=CpuDriver, **parts) -> Engine:
     model = synthetic_llama(0)
     plan = Plan("numpy", rows, positions, 16, rows * positions // 16, token_budget, model.name,
                 idle_token_budget=idle_token_budget)
@@ -149,7 +149,7 @@ def test_prefill_at_most_doubles_a_step_beside_few_decoding_rows():
     model = synthetic_llama(0)
     plan = Plan("numpy", 8, 256, 16, 8 * 256 // 16, 40, model.name, idle_token_budget=64, prefill_beside_decoding=6)
     assert [plan.step_budget(d) for d in range(0, 9)] == [64, 8, 10, 12, 14, 16, 18, 20, 22]
-    driver = NumpyDriver()
+    driver = CpuDriver()
     driver.prepare(plan, model)
     engine = Engine(model, driver, plan, None)
     recs = [submit(engine, prompt(3, salt=i), greedy(80, ignore_eos=True))[0] for i in range(3)]

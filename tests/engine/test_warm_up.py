@@ -4,13 +4,13 @@ touched while the first request waits."""
 from __future__ import annotations
 
 from poot.engine import Engine
-from poot.engine.drivers.numpy_driver import NumpyDriver
+from poot.engine.drivers.cpu import CpuDriver
 from poot.engine.models.synthetic import synthetic_llama
 
 from .harness import greedy, run_until_idle, submit
 
 
-class RecordingDriver(NumpyDriver):
+class RecordingDriver(CpuDriver):
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
         self.shapes: list[list[int]] = []

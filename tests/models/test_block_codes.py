@@ -1,5 +1,5 @@
 """Block codes (engine/models/block_codes.py) and the CPU driver's products on them
-(engine/drivers/cpu_block_products.py), against the float32 weights they reproduce."""
+(engine/drivers/cpu/products/), against the float32 weights they reproduce."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from poot.engine.models import block_codes
 PROMPTS = 64
 CONTINUATION = 12
 # The compact path against the float32 one. The codes give back the float32 weights bit for
-# bit; the products take the activations quantized to 16 bits per block of 32 (cpu_int8_kernels:
+# bit; the products take the activations quantized to 16 bits per block of 32 (cpu/kernels/quantize.py:
 # an element off by at most 1/65278 of its block's largest), which alone moved SmolLM2's logits
 # by up to 4.6e-4 of the largest; the KV cache in float16 (11 significant bits) alone by up
 # to 2.6e-3, both together by 2.1e-3 (63 of 64 continuations the same).
@@ -51,23 +51,27 @@ def test_block_product_matches_float32_product():
     """Every path of the product on the codes, against float64 on the float32 weights with the
     norm folded in, as prepare() folds it: apart from the activations' 16-bit quantization,
     the same sums."""
-    from poot.engine.drivers import cpu_block_products, cpu_kernels
+    from poot.engine.drivers.cpu.products import coded_product
+    from poot.engine.drivers.cpu.products.model_products import check_code_paths
+    from poot.engine.drivers.cpu.products.registry import CODE_PATHS
+    from poot.engine.drivers.cpu.runtime import shared
 
-    if not cpu_kernels.available():
-        pytest.skip(cpu_kernels.unavailable_reason())
-    paths = tuple(p for p in cpu_block_products.PATHS if p != "int8" or cpu_kernels.int8_supported())
-    cpu_block_products.compile(int8="int8" in paths)
+    runtime = shared()
+    if not runtime.available():
+        pytest.skip(runtime.unavailable_reason())
+    paths = tuple(k.name for k in CODE_PATHS if k.available(runtime))
+    check_code_paths(runtime, paths)
     rng = np.random.default_rng(2)
     w = _q4_1(rng, 37, 128)
     scale = rng.uniform(0.5, 2, 128).astype(np.float32)
-    product = cpu_block_products.BlockProduct(block_codes.find(w), scale, paths)
+    product = coded_product(block_codes.find(w), scale, runtime, paths)
     for tokens in (1, 3, 20):
         x = rng.standard_normal((128, tokens)).astype(np.float32)
         want = (w.astype(np.float64) * scale) @ x
         for path in product.paths:
-            assert np.abs(product.run(path, x) - want).max() <= 2e-4 * np.abs(want).max(), path
+            assert np.abs(product.run(x, path=path) - want).max() <= 2e-4 * np.abs(want).max(), path
             acc = np.ones((37, tokens), np.float32)
-            product.run(path, x, out=acc)
+            product.run(x, out=acc, path=path)
             assert np.abs(acc - (want + 1)).max() <= 2e-4 * np.abs(want).max(), path
 
 
@@ -91,15 +95,15 @@ def _decode(driver, model, prompt: list[int], steps: int) -> tuple[list[int], li
 @pytest.mark.slow
 def test_smollm2_decode_on_codes_matches_float32(smollm2):
     """64 prompts, 12 greedy tokens each, on the codes and on the float32 weights."""
-    from poot.engine.drivers.numpy_driver import NumpyDriver
+    from poot.engine.drivers.cpu import CpuDriver
     from poot.engine.plan import fit_plan
 
     drivers = []
     for codes in (True, False):
-        driver = NumpyDriver(memory_bytes=1 << 30, device_picks=False, compact=codes)
+        driver = CpuDriver(memory_bytes=1 << 30, device_picks=False, compact=codes)
         driver.prepare(fit_plan(driver.device(), smollm2.config, 0, smollm2.name), smollm2)
         drivers.append(driver)
-    assert drivers[0].kernels is None or drivers[0].kernels.blocks == 30 * 4 + 1
+    assert drivers[0].products is None or drivers[0].products.coded == 30 * 4 + 1
     words = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "The best way to learn",
              "Water boils at", "In 1969, the first", "My favourite colour is", "Translate to French: cat"]
     rng = np.random.default_rng(3)

@@ -1,7 +1,7 @@
 """Logits against the independent float64 reference (reference_llama.py).
 
 - the reference itself: causal, and correct enough to answer a factual prompt on SmolLM2;
-- the engine's forward (NumpyDriver running engine/models/llama.py's program) against the reference;
+- the engine's forward (CpuDriver running engine/models/llama.py's program) against the reference;
 - with transformers installed: its own GGUF loader's weights, tokens and logits against ours.
 """
 
@@ -22,10 +22,10 @@ PROMPT = "The capital of France is"
 def engine_last_logits(model, tokens: list[int]) -> np.ndarray:
     """Last-position logits from the engine's numpy driver: one row, one prefill chunk."""
     from poot.engine.drivers.base import RowWork
-    from poot.engine.drivers.numpy_driver import NumpyDriver
+    from poot.engine.drivers.cpu import CpuDriver
     from poot.engine.plan import fit_plan
 
-    driver = NumpyDriver(memory_bytes=1 << 30, compact=False)  # the float32 weights, as loaded
+    driver = CpuDriver(memory_bytes=1 << 30, compact=False)  # the float32 weights, as loaded
     plan = fit_plan(driver.device(), model.config, 0, model.name)
     driver.prepare(plan, model)
     table = list(range(plan.blocks_for(len(tokens))))

@@ -26,9 +26,9 @@ pytestmark = [pytest.mark.realmodel, pytest.mark.slow]
 def engine(smollm2):
     # The float32 path: what the reference's logits are compared with to 1e-3. The block
     # codes' path (16-bit activations) is compared with this one in tests/models/test_block_codes.py.
-    from poot.engine.drivers.numpy_driver import NumpyDriver
+    from poot.engine.drivers.cpu import CpuDriver
 
-    return Engine.create(smollm2, driver=NumpyDriver(compact=False))
+    return Engine.create(smollm2, driver=CpuDriver(compact=False))
 
 
 @pytest.fixture(scope="module")

@@ -19,9 +19,9 @@ pytestmark = [pytest.mark.realmodel, pytest.mark.slow]
 def engine(smollm2):
     # The float32 path, which the float64 reference is held to within 1e-4 (the block codes'
     # 16-bit activations move logits by up to 6e-4 of the largest: tests/models/test_block_codes.py).
-    from poot.engine.drivers.numpy_driver import NumpyDriver
+    from poot.engine.drivers.cpu import CpuDriver
 
-    return Engine.create(smollm2, driver=NumpyDriver(compact=False))
+    return Engine.create(smollm2, driver=CpuDriver(compact=False))
 
 
 def run(engine, prompt, params, n=1):

@@ -9,7 +9,7 @@ import numpy as np
 
 from poot.engine import Engine
 from poot.engine.drivers.base import DeviceFault
-from poot.engine.drivers.numpy_driver import NumpyDriver
+from poot.engine.drivers.cpu import CpuDriver
 from poot.engine.params import InvalidRequest
 from poot.engine.prefix_cache import PrefixCache
 from poot.engine.random_stream import random_stream
@@ -189,7 +189,7 @@ class ReservePromptOnly(Scheduler):
         return True
 
 
-class FollowsGrownTables(NumpyDriver):
+class FollowsGrownTables(CpuDriver):
     """The device half of reserve_prompt_only: a table that grew after its row opened is told
     to the driver again before the step (the reference never needs this: a table is fixed
     from open to close)."""
@@ -318,7 +318,7 @@ class ReleaseStopPrefix(StopChecker):
 # ---- the driver -------------------------------------------------------------------------------
 
 
-class RecompileOnBatchChange(NumpyDriver):
+class RecompileOnBatchChange(CpuDriver):
     last_rows = None
 
     def run_step(self, step, batch):
@@ -328,7 +328,7 @@ class RecompileOnBatchChange(NumpyDriver):
         return super().run_step(step, batch)
 
 
-class SharedPosition(NumpyDriver):
+class SharedPosition(CpuDriver):
     """Every token of a step gets one shared position."""
 
     def layout(self, step):
@@ -337,7 +337,7 @@ class SharedPosition(NumpyDriver):
         return layout
 
 
-class NoLengthMask(NumpyDriver):
+class NoLengthMask(CpuDriver):
     """Decode attention reads every gathered slot of its row's table, written or not."""
 
     def layout(self, step):
@@ -346,14 +346,14 @@ class NoLengthMask(NumpyDriver):
         return layout
 
 
-class StaleRecurrentState(NumpyDriver):
+class StaleRecurrentState(CpuDriver):
     """A row opened by a new sequence keeps the state its last sequence left."""
 
     def start_fresh_row(self, row):
         pass
 
 
-class LaxStepCheck(NumpyDriver):
+class LaxStepCheck(CpuDriver):
     """Runs steps larger than the plan's budget instead of refusing them (the budget
     defects' steps would be refused otherwise, which hides them)."""
 
@@ -361,7 +361,7 @@ class LaxStepCheck(NumpyDriver):
         pass
 
 
-class RowsFromEnv(NumpyDriver):
+class RowsFromEnv(CpuDriver):
     """The POOT_ROWS environment variable sets the rows the device reports, so the plan follows."""
 
     def device(self):
@@ -373,7 +373,7 @@ class RowsFromEnv(NumpyDriver):
 ROWS_BEYOND_48 = 200
 
 
-class TwoHundredRows(NumpyDriver):
+class TwoHundredRows(CpuDriver):
     """A device that steps 200 rows at little more than the cost of one, so the plan fits 200
     (not a defect: a server with more rows than the suite opened at first, to measure them)."""
 
@@ -381,7 +381,7 @@ class TwoHundredRows(NumpyDriver):
         return dataclasses.replace(super().device(), parallel_rows=ROWS_BEYOND_48)
 
 
-class BatchDependentPrecision(NumpyDriver):
+class BatchDependentPrecision(CpuDriver):
     """Steps of more than one row keep 3 bits of their logits' mantissa (an 8-bit float's
     precision), as a kernel picked by batch size with a low-precision reduction would: near
     ties then break differently, so a prompt's greedy output depends on what it was batched

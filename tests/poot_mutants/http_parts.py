@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 
 from poot.server.auth import RequireKey
 from poot.server.state import ServerState
@@ -343,6 +344,52 @@ class NoTokenPrompts(Middleware):
             await send({"type": "http.response.body", "body": payload})
             return
         await self.app(scope, replay(messages, receive), send)
+
+
+class _CrashOnNoPrompt(Middleware):
+    """A completion request with no prompt, or an empty one, takes the server down (`crash`),
+    as a server whose request model reads a missing prompt as "" and whose batching worker
+    dies on an empty one; any other request is served as before."""
+
+    async def handle(self, scope, receive, send):
+        if scope["method"] != "POST" or scope["path"] != "/v1/completions":
+            return await self.app(scope, receive, send)
+        body, messages = await read_request(receive)
+        try:
+            request = json.loads(body)
+        except ValueError:
+            request = None
+        if not isinstance(request, dict) or request.get("prompt", "") not in ("", [], None):
+            return await self.app(scope, replay(messages, receive), send)  # not JSON, or a prompt: served
+        await self.crash()
+        payload = json.dumps(_error(500, "the engine crashed on an empty prompt")).encode()
+        await send({"type": "http.response.start", "status": 500,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(payload)).encode())]})
+        await send({"type": "http.response.body", "body": payload})
+
+    async def crash(self) -> None:
+        raise NotImplementedError
+
+
+class EmptyPromptKillsEngine(_CrashOnNoPrompt):
+    """The engine thread panics (its own death path, through its fault hook): the request gets
+    500, /health 503 dead, and every later request 503, for good."""
+
+    async def crash(self) -> None:
+        engine = self.state.engine
+        engine.inject_fault("panic")
+        for _ in range(200):  # the engine thread takes the panic at its next iteration (50 ms when idle)
+            if engine.health().status != "ok":
+                return
+            await asyncio.sleep(0.01)
+
+
+class EmptyPromptExitsProcess(_CrashOnNoPrompt):
+    """The process exits at once (as a native crash would): the request's connection is cut."""
+
+    async def crash(self) -> None:
+        os._exit(1)
 
 
 class _IgnoreDisconnect(Middleware):

@@ -243,6 +243,16 @@ MUTANTS: tuple[Mutant, ...] = (
     M("ignore_eos_ignored", "api/ignore-eos/1",
       "ignore_eos is dropped from the request", "ignore_eos must go on past end-of-sequence",
       {"middleware": a.ignore_eos_ignored}, scope=("api/ignore-eos",), control="api/completions/1"),
+    # A crash: the clause during which the server stopped serving is "crashed" and names the
+    # request; api/errors/3 sends the same table, so a fresh server dies on it too.
+    M("empty_prompt_kills_engine", "api/errors/2",
+      "a completion without a prompt (read as empty) kills the engine for good: 500, then 503 for everything",
+      "the server stopped serving during this clause (/health answered 503",
+      {"middleware": h.EmptyPromptKillsEngine}, also=("api/errors/3",), scope=("api/errors",)),
+    M("empty_prompt_exits", "api/errors/2",
+      "a completion without a prompt (read as empty) makes the process exit",
+      "the server stopped serving during this clause (its process exited with status 1",
+      {"middleware": h.EmptyPromptExitsProcess}, also=("api/errors/3",), scope=("api/errors",)),
     M("any_bearer_key", "api/auth/1",
       "a keyed server takes any bearer token, not only its key", "with a wrong key answered 200, expected 401",
       {"key_guard": h.AnyBearerKey}, scope=("api/auth",), keyed=True),

@@ -57,7 +57,7 @@ def combined(base: type, classes: list[type]) -> type:
 
 
 def state_class(parts: dict[str, list]) -> type[ServerState]:
-    from poot.engine.drivers.numpy_driver import NumpyDriver
+    from poot.engine.drivers.cpu import CpuDriver
     from poot.engine.prefix_cache import PrefixCache
     from poot.engine.scheduler import Scheduler
     from poot.engine.stops import StopChecker
@@ -69,7 +69,7 @@ def state_class(parts: dict[str, list]) -> type[ServerState]:
             engine_parts[name] = combined(base, parts[name])
     if parts["random_stream"]:
         engine_parts["random_stream"] = parts["random_stream"][-1]
-    driver = combined(NumpyDriver, parts["driver"]) if parts["driver"] else None
+    driver = combined(CpuDriver, parts["driver"]) if parts["driver"] else None
 
     class Mutated(combined(ServerState, parts["state"])):
         def make_driver(self):

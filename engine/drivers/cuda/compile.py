@@ -1,5 +1,8 @@
 """Compiles the CUDA driver's kernels with NVRTC (the `cuda.bindings.nvrtc` API), with no
-device needed: the architecture is named, not probed. Importable without CuPy.
+device needed: the architecture is named, not probed. Importable without CuPy. The sources
+are shared with the HIP build (compile_hip.py): platform.h, handed to the compiler by name,
+holds what differs between the platforms; the kernels' names, signatures and launch bounds
+are read from the sources here for both.
 
 OPTIONS is the one option list, shared by the driver and the CI compile checks:
 - `-arch=sm_90`: cubin for Hopper (H100/H200), plus its compute_90 PTX. The driver loads
@@ -16,6 +19,7 @@ OPTIONS is the one option list, shared by the driver and the CI compile checks:
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from functools import cache
@@ -23,13 +27,17 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 SOURCES = ("kernels.cu", "pick.cu", "mamba.cu")
+HEADER = "platform.h"  # what differs between CUDA and HIP; handed to the compiler by name
 ARCH = "sm_90"
 
 # Threads per block of each kernel (the launch geometry's block size; each kernel's
-# __launch_bounds__ says the same).
-BLOCK_THREADS = {"embed": 256, "rms_norm": 256, "final_norm": 256, "rope_kv_write": 128, "paged_attention": 128,
-                 "silu_mul": 256, "add": 256, "pick": 1024, "pick_uniform": 256, "mamba_conv": 128,
-                 "mamba_conv_state": 128, "mamba_scan": 64}
+# __launch_bounds__ says the same). A kernel that gives each warp its own share of the work
+# is sized in warps: its block is that many times the target's lane count (32 on CUDA, the
+# wavefront's 64 or 32 on HIP).
+BLOCK_THREADS = {"embed": 256, "rms_norm": 256, "final_norm": 256, "rope_kv_write": 128, "silu_mul": 256, "add": 256,
+                 "pick": 1024, "pick_uniform": 256, "mamba_conv": 128, "mamba_conv_state": 128, "mamba_scan": 64}
+BLOCK_WARPS = {"paged_attention": 4}
+CUDA_LANES = 32
 
 
 class CompileError(RuntimeError):
@@ -71,7 +79,8 @@ def compile_source(code: str, name: str) -> Compiled:
     """cubin, PTX and log of one source; CompileError (naming `name`) when NVRTC fails."""
     from cuda.bindings import nvrtc
 
-    err, prog = nvrtc.nvrtcCreateProgram(code.encode(), name.encode(), 0, [], [])
+    header = source(HEADER).encode()
+    err, prog = nvrtc.nvrtcCreateProgram(code.encode(), name.encode(), 1, [header], [HEADER.encode()])
     _check(err, f"nvrtcCreateProgram({name})")
     try:
         opts = [o.encode() for o in options()]
@@ -126,9 +135,38 @@ def kernel_files() -> dict[str, str]:
     return {kernel: file for file in SOURCES for kernel in kernel_names(file)}
 
 
-def block_threads(kernel: str) -> int:
-    """The block size a kernel is launched with (its name without the _f16/_bf16/_f32 suffix)."""
-    return BLOCK_THREADS[re.sub(r"_(f16|bf16|f32)$", "", kernel)]
+def block_threads(kernel: str, lanes: int = CUDA_LANES) -> int:
+    """The block size a kernel is launched with on a target of `lanes` lanes a warp (its name
+    without the _f16/_bf16/_f32 suffix)."""
+    base = re.sub(r"_(f16|bf16|f32)$", "", kernel)
+    return BLOCK_WARPS[base] * lanes if base in BLOCK_WARPS else BLOCK_THREADS[base]
+
+
+_BOUNDS = re.compile(r"__launch_bounds__\(([^)]*)\)\s*(?:\\\s*)*(\w+?)(?:_##SUFFIX)?\(")
+_DEFINE = re.compile(r"^#define (\w+) (.+)$", re.M)
+
+
+def _product(expr: str, macros: dict[str, str]) -> int:
+    """A number, a macro or a product of them, as a launch bound states it."""
+    expr = expr.strip().strip("()")
+    if "*" in expr:
+        return math.prod(_product(term, macros) for term in expr.split("*"))
+    return int(expr) if expr.isdigit() else _product(macros[expr], macros)
+
+
+@cache
+def launch_bounds(lanes: int) -> dict[str, int]:
+    """Each kernel's __launch_bounds__ as the sources state it, evaluated for `lanes` (LANES
+    and the sources' own macros): what a launch's block must equal."""
+    out = {}
+    for file in SOURCES:
+        code = source(file)
+        macros = {"LANES": str(lanes)} | dict(_DEFINE.findall(code))
+        for expr, name in _BOUNDS.findall(code):
+            suffixed = f"{name}_##SUFFIX" in code
+            for kernel in [f"{name}_{s}" for s in _INSTANCES.findall(code)] if suffixed else [name]:
+                out[kernel] = _product(expr, macros)
+    return out
 
 
 @dataclass(frozen=True)

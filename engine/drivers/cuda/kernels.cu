@@ -13,31 +13,24 @@
 // KV cache, per layer: K and V each (num_slots, kv_heads, head_dim), slot = block *
 // block_size + offset. The block table of every open row is resident, (rows, max_blocks).
 
-#include <cuda_fp16.h>
-#include <cuda_bf16.h>
-
-__device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <typename W> __device__ __forceinline__ W from_f(float v);
-template <> __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+#include "platform.h"
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
-  for (int s = 16; s > 0; s >>= 1) v += __shfl_xor_sync(0xffffffffu, v, s);
+  for (int s = LANES / 2; s > 0; s >>= 1) v += lane_xor(v, s);
   return v;
 }
 
 // Sum over a block of NORM_THREADS threads; every thread gets the result.
 #define NORM_THREADS 256
 __device__ __forceinline__ float block_sum(float v) {
-  __shared__ float part[NORM_THREADS / 32];
+  __shared__ float part[NORM_THREADS / LANES];
   v = warp_sum(v);
-  if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = v;
+  if (threadIdx.x % LANES == 0) part[threadIdx.x / LANES] = v;
   __syncthreads();
   float s = 0.f;
 #pragma unroll
-  for (int w = 0; w < NORM_THREADS / 32; ++w) s += part[w];
+  for (int w = 0; w < NORM_THREADS / LANES; ++w) s += part[w];
   return s;
 }
 
@@ -105,23 +98,25 @@ __device__ __forceinline__ void rope_kv_write(const float* qkv, const float* rop
 // attends keys 0..positions[t] of its own row (row_slot[t]: the row slot as opened, an
 // index into tables), read in place through the row's block table, never past its
 // position. q is pre-scaled (1/sqrt(head_dim) is folded into the weights). Each of the
-// ATT_WARPS warps runs an online softmax over every ATT_WARPS-th key, a lane holding
-// head_dim / 32 of the dimensions; the warps merge through shared memory. out (T, heads
-// head_dim) in W. head_dim <= 256. Grid (T, heads), block ATT_WARPS * 32.
+// ATT_WARPS warps runs an online softmax over every ATT_WARPS-th key, lane i holding the
+// dimensions i, i + LANES, ... (head_dim / LANES of them); the warps merge through shared
+// memory. out (T, heads head_dim) in W. head_dim <= ATT_MAX_DIM. Grid (T, heads), block
+// ATT_WARPS * LANES.
 // A faster decode path (one token, long rows) would split each row's keys over several
 // blocks (split-K, flash-decoding) and merge their (m, l, acc) in a second kernel; it
 // would take the decode tokens, this kernel the prefill chunks.
 #define ATT_WARPS 4
-#define ATT_MAX_E 8
+#define ATT_MAX_DIM 256
+#define ATT_MAX_E (ATT_MAX_DIM / LANES)
 template <typename W>
 __device__ __forceinline__ void paged_attention(const float* q, const W* k_cache, const W* v_cache,
                                                 const int* positions, const int* row_slot, const int* tables,
                                                 W* out, int heads, int kv_heads, int head_dim, int block_size,
                                                 int max_blocks) {
-  __shared__ float sm[ATT_WARPS], sl[ATT_WARPS], sacc[ATT_WARPS][32 * ATT_MAX_E];
+  __shared__ float sm[ATT_WARPS], sl[ATT_WARPS], sacc[ATT_WARPS][ATT_MAX_DIM];
   const size_t t = blockIdx.x;
   const int h = blockIdx.y;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int warp = threadIdx.x / LANES, lane = threadIdx.x % LANES;
   const int kh = h / (heads / kv_heads);
   const int n = positions[t] + 1;
   const int* table = tables + (size_t)row_slot[t] * max_blocks;
@@ -129,7 +124,7 @@ __device__ __forceinline__ void paged_attention(const float* q, const W* k_cache
   float qv[ATT_MAX_E], acc[ATT_MAX_E];
 #pragma unroll
   for (int e = 0; e < ATT_MAX_E; ++e) {
-    const int d = lane + 32 * e;
+    const int d = lane + LANES * e;
     qv[e] = d < head_dim ? qp[d] : 0.f;
     acc[e] = 0.f;
   }
@@ -140,7 +135,7 @@ __device__ __forceinline__ void paged_attention(const float* q, const W* k_cache
     float s = 0.f;
 #pragma unroll
     for (int e = 0; e < ATT_MAX_E; ++e) {
-      const int d = lane + 32 * e;
+      const int d = lane + LANES * e;
       if (d < head_dim) s += qv[e] * to_f(k_cache[base + d]);
     }
     s = warp_sum(s);
@@ -149,7 +144,7 @@ __device__ __forceinline__ void paged_attention(const float* q, const W* k_cache
     l = l * c + p;
 #pragma unroll
     for (int e = 0; e < ATT_MAX_E; ++e) {
-      const int d = lane + 32 * e;
+      const int d = lane + LANES * e;
       if (d < head_dim) acc[e] = acc[e] * c + p * to_f(v_cache[base + d]);
     }
     m = mn;
@@ -157,7 +152,7 @@ __device__ __forceinline__ void paged_attention(const float* q, const W* k_cache
   if (lane == 0) { sm[warp] = m; sl[warp] = l; }
 #pragma unroll
   for (int e = 0; e < ATT_MAX_E; ++e) {
-    const int d = lane + 32 * e;
+    const int d = lane + LANES * e;
     if (d < head_dim) sacc[warp][d] = acc[e];
   }
   __syncthreads();
@@ -215,7 +210,7 @@ extern "C" __global__ void __launch_bounds__(256) add_f32(float* x, const float*
     rope_kv_write<W>(qkv, rope, positions, kv_slots, q_out, k_cache, v_cache, heads, kv_heads,      \
                      head_dim);                                                                     \
   }                                                                                                 \
-  extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)                                      \
+  extern "C" __global__ void __launch_bounds__(ATT_WARPS * LANES)                                      \
   paged_attention_##SUFFIX(const float* q, const W* k_cache, const W* v_cache, const int* positions, \
                            const int* row_slot, const int* tables, W* out, int heads, int kv_heads, \
                            int head_dim, int block_size, int max_blocks) {                          \
@@ -227,5 +222,5 @@ extern "C" __global__ void __launch_bounds__(256) add_f32(float* x, const float*
     silu_mul<W>(gu, act, tokens, inter);                                                            \
   }
 
-STEP_KERNELS(f16, __half)
-STEP_KERNELS(bf16, __nv_bfloat16)
+STEP_KERNELS(f16, f16_word)
+STEP_KERNELS(bf16, bf16_word)

@@ -9,15 +9,9 @@
 // conv_b, dt_bias, D (d_inner), A (d_inner, d_state), already -exp(A_log)) are fp32 too.
 // xz (T, 2 d_inner) fp32 is in_proj's output: x, then the gate z.
 
-#include <cuda_fp16.h>
-#include <cuda_bf16.h>
+#include "platform.h"
 
 #define MAMBA_MAX_DS 16
-
-__device__ __forceinline__ float mamba_to_f(__half v) { return __half2float(v); }
-__device__ __forceinline__ float mamba_to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ void mamba_store(__half* p, float v) { *p = __float2half_rn(v); }
-__device__ __forceinline__ void mamba_store(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
 
 // The causal depthwise convolution, then SiLU: token t (index li in its segment) reads
 // window[li + j], j < d_conv, of [the slot's last d_conv - 1 inputs, the segment's inputs],
@@ -43,7 +37,7 @@ __device__ __forceinline__ void mamba_conv(const float* xz, const int* token_row
   }
   const float y = acc / (1.f + expf(-acc));
   xs[t * d_inner + c] = y;
-  mamba_store(xs_w + t * d_inner + c, y);
+  xs_w[t * d_inner + c] = from_f<W>(y);
 }
 
 // The conv state after the step: slot s <- window[n + s], n = the row's tokens, in
@@ -103,7 +97,7 @@ __device__ __forceinline__ void mamba_scan(const float* xs, const float* dbc, co
     }
     out += xv * skip;
     const float z = xz[(size_t)u * 2 * d_inner + d_inner + c];
-    mamba_store(y + (size_t)u * d_inner + c, out * (z / (1.f + expf(-z))));
+    y[(size_t)u * d_inner + c] = from_f<W>(out * (z / (1.f + expf(-z))));
   }
 #pragma unroll
   for (int s = 0; s < MAMBA_MAX_DS; ++s)
@@ -133,5 +127,5 @@ mamba_conv_state_f32(const float* xz, const int* row_ids, const int* row_first, 
                   d_inner, d_state, dt_rank, dbc_stride);                                               \
   }
 
-MAMBA_KERNELS(f16, __half)
-MAMBA_KERNELS(bf16, __nv_bfloat16)
+MAMBA_KERNELS(f16, f16_word)
+MAMBA_KERNELS(bf16, bf16_word)

@@ -16,6 +16,8 @@
 // whose running sum (thread chunks' exclusive prefix, then in-chunk running sum) passes
 // u * kept total, falling back to the chunk's (or the row's) last kept id under rounding.
 
+#include "platform.h"
+
 #define PICK_THREADS 1024
 #define PICK_WORDS 8
 

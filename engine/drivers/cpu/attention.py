@@ -3,7 +3,7 @@
 KV: one array per layer, kv_cache_shape(): (2 [K, V], kv_heads, num_blocks, block_size,
 head_dim). Paged queries attend their own row's keys up to their own position: with the
 compiled kernels every fed token is one, read in place through the block table (a row's
-several tokens in tiles, cpu_attention_kernels). On the plain NumPy path only decode tokens
+several tokens in tiles: glue.py, kernels/attention.py). On the plain NumPy path only decode tokens
 are: each query's blocks are gathered (block_size x head_dim floats per copy) into one
 contiguous context, and attention is two batched products for all queries together; prefill
 chunks gather their row once and attend in causal query tiles. Never a loop over rows or
@@ -114,7 +114,7 @@ def paged_attention_gathered(xp, q, cache, tables, lengths):
     return softmax_apply(xp, scores, kv[1]).transpose(1, 0, 2, 3).reshape(n, heads * hd)
 
 
-def attention(xp, q, cache, paged, prefills, kv_heads: int, kernels=None):
+def attention(xp, q, cache, paged, prefills, kv_heads: int, glue=None):
     """q: (T, heads, hd), pre-scaled; cache: one layer's kv_cache_shape() array.
     paged: None or (token idx, tables (R, B), table of each query, lengths (host), all_paged);
     prefills: [(first, n, context, blocks (B,), causal bias (n, B*bs))]. Returns (T, heads * hd)."""
@@ -124,9 +124,9 @@ def attention(xp, q, cache, paged, prefills, kv_heads: int, kernels=None):
     if paged is not None:
         idx, tables, table_of, lengths, all_paged = paged
         qp = q if all_paged else q[idx]
-        if kernels is not None:  # in place through the block tables, no gathered copy
+        if glue is not None:  # in place through the block tables, no gathered copy
             op = xp.empty((len(table_of), heads * hd), dtype=q.dtype)
-            kernels.paged_attention(xp.ascontiguousarray(qp), cache, tables, table_of, lengths, op, t)
+            glue.paged_attention(xp.ascontiguousarray(qp), cache, tables, table_of, lengths, op, t)
         else:
             op = paged_attention_gathered(xp, qp, cache, tables[table_of], lengths)
         if all_paged:

@@ -9,8 +9,7 @@ colscale: the RMSNorm weight the float32 path folds into the matrix's columns (f
 into codes would break the blocks), applied to the activation instead. The sums regroup the
 float32 product's terms, so results differ from it by rounding only (~1e-6 relative).
 
-Module-level njit kernels with cache=True, like cpu_kernels_numba (numba caches on disk only
-those); imported by cpu_kernels after numba's target and threading layer are chosen.
+The float block path's kernel (products/float_block.py).
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .cpu_kernels_numba import ERRORS, FASTMATH
+from .numeric import ERRORS, FASTMATH
 
 BLOCK = 32
 ROWS_PER_TASK = 32  # as few_token_matmul: enough work per task to hide its start-up
@@ -95,6 +94,3 @@ def block_matmul(codes, d, m, xt, sx, out, add):
     o = codes.shape[0]
     for task in prange((o + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
         block_rows(codes, d, m, xt, sx, out, add, task * ROWS_PER_TASK, min(o, (task + 1) * ROWS_PER_TASK))
-
-
-KERNELS = (block_inputs, block_rows, block_matmul)

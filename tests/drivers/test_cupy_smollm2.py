@@ -1,8 +1,10 @@
-"""SmolLM2 on the ptx backend against the NumPy driver: logits of a mixed step, and greedy
-continuations of many prompts decoded side by side, the ptx rows picked on the device.
+"""SmolLM2 on the CuPy driver (ptx, rocm) against the NumPy driver: logits of a mixed step,
+and greedy continuations of many prompts decoded side by side, the GPU's rows picked on the
+device.
 
-Runs only where CuPy sees a CUDA device (ci/gpu_ptx.sh runs it on a lent GPU); elsewhere it
-skips, saying so. The ptx driver keeps weights in fp16 and the NumPy driver in float32, so
+Runs only where CuPy sees a device of that backend (ci/gpu_ptx.sh runs it on a lent GPU,
+ci/gpu_rocm.sh on an AMD one); elsewhere it skips, saying what is missing. The CuPy driver
+keeps weights in fp16 and the NumPy driver in float32, so
 logits agree to fp16's precision, not bit for bit, and a greedy continuation may part where
 the NumPy driver's two best tokens are within that precision of each other: each parting is
 printed with that margin, and only such near-ties may part.
@@ -31,12 +33,12 @@ LOGIT_TOLERANCE = 1e-2  # relative to the largest logit's magnitude: fp16 weight
 NEAR_TIE = 0.05  # a parting is allowed only where the NumPy driver's top two were this close
 
 
-def ptx_driver():
+def cupy_driver(backend: str):
     from poot.engine.drivers import make_driver
     from poot.engine.drivers.cupy_device import NoDevice
 
     try:
-        return make_driver("ptx")
+        return make_driver(backend)
     except NoDevice as e:
         pytest.skip(str(e))
 
@@ -50,11 +52,12 @@ def prepared(driver, model):
     return plan
 
 
-def test_smollm2_logits_and_greedy_continuations_match_the_numpy_driver(smollm2):
-    from poot.engine.drivers.numpy_driver import NumpyDriver
+@pytest.mark.parametrize("backend", ["ptx", "rocm"])
+def test_smollm2_logits_and_greedy_continuations_match_the_numpy_driver(smollm2, backend):
+    from poot.engine.drivers.cpu import CpuDriver
 
-    gpu = ptx_driver()
-    cpu = NumpyDriver(device_picks=False, compact=False)
+    gpu = cupy_driver(backend)
+    cpu = CpuDriver(device_picks=False, compact=False)
     plans = [prepared(d, smollm2) for d in (cpu, gpu)]
     per_row = max(p.blocks_for(64 + STEPS) for p in plans)
     prompts = [np.asarray(smollm2.tokenizer.encode(p), np.int32) for p in PROMPTS]
@@ -70,11 +73,11 @@ def test_smollm2_logits_and_greedy_continuations_match_the_numpy_driver(smollm2)
     got = gpu.step(first).logits
     scale = float(np.abs(ref).max())
     worst = float(np.abs(got - ref).max())
-    print(f"\nSmolLM2 prefill logits, {len(prompts)} rows: max |ptx - numpy| = {worst:.4f} "
+    print(f"\nSmolLM2 prefill logits, {len(prompts)} rows: max |{backend} - numpy| = {worst:.4f} "
           f"({worst / scale:.2e} of the largest logit, {scale:.1f})")
     assert worst <= LOGIT_TOLERANCE * scale
 
-    # Greedy continuations, decoded side by side: NumPy on host argmax, ptx picked on the device.
+    # Greedy continuations, decoded side by side: NumPy on host argmax, the GPU's picked on the device.
     gpu.device_picks = True
     greedy = SamplingParams(temperature=0.0)
     ours = [[int(np.argmax(ref[r]))] for r in range(len(prompts))]
@@ -97,6 +100,6 @@ def test_smollm2_logits_and_greedy_continuations_match_the_numpy_driver(smollm2)
     for r, (a, b) in enumerate(zip(ours, theirs, strict=True)):
         if a != b:
             k = next(i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y)
-            print(f"  prompt {r} ({PROMPTS[r]!r}) parts at token {k}: numpy {a[k]}, ptx {b[k]}, "
+            print(f"  prompt {r} ({PROMPTS[r]!r}) parts at token {k}: numpy {a[k]}, {backend} {b[k]}, "
                   f"numpy's top-two margin {margins[r][k]:.4f}")
             assert margins[r][k] < NEAR_TIE, "a continuation parted where the NumPy driver had no near-tie"

@@ -1,4 +1,6 @@
-"""The CPU driver's ops (engine/ops.py), one method each, and the walk that runs a program.
+"""The CPU driver's ops (engine/ops.py), one method each, and the walk that runs a program:
+every op in order, a fused op as its parts unless the driver runs it as one kernel (the
+decoder stack, decoder_stack.py, for the steps it takes).
 
 Activations are feature-major, (features, tokens), between the products: every product is
 `W @ X` with both operands contiguous and the weight the streamed operand (one pass over it
@@ -8,17 +10,17 @@ transposed (a view) for the next product; the recurrent ops work on token-major 
 logits come out token-major, (L, vocab), as the host takes them.
 
 Two implementations: `ArrayOps` on NumPy alone, and `KernelOps`, whose glue between the
-products (norms, rotary with the KV write, SiLU) is one compiled call each (cpu_kernels)
-instead of a handful of NumPy passes, and whose few-token products and paged attention in
-place are the kernels' own.
+products (norms, rotary with the KV write, SiLU) is one compiled call each (glue.py) instead
+of a handful of NumPy passes, whose products are the model's own (products/), and whose paged
+attention reads the cache in place. Built once per prepare; `run` takes a step.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ..ops import Program
-from .cpu_attention import StepLayout, attention, rms_scale
+from ...ops import Program, unfused
+from .attention import StepLayout, attention, rms_scale
 
 
 class ArrayOps:
@@ -29,15 +31,20 @@ class ArrayOps:
     def __init__(self, program: Program, weights: dict, kv: list | None, state: list | None):
         self.program, self.w, self.kv, self.state = program, weights, kv, state
         self.dims, self.eps = program.dims, program.eps
+        self.ops = unfused(program.ops)  # the program's ops, a fused op as its parts
 
     def run(self, step, layout: StepLayout | None) -> np.ndarray:
         """Runs every op of the program over one step (engine/step.py's StepArrays, and its
         layout for the paged ops); returns the logits, (L, vocab) float32."""
         self.begin(step, layout)
         b: dict[str, np.ndarray] = {}
-        for op in self.program.ops:
-            getattr(self, op.name)(op, b)
+        self.walk(self.ops, b)
         return b["logits"]
+
+    def walk(self, ops: tuple, b: dict) -> None:
+        """Runs `ops` in order over the step's buffers `b`."""
+        for op in ops:
+            getattr(self, op.name)(op, b)
 
     def begin(self, step, layout: StepLayout | None) -> None:
         self.step, self.layout = step, layout
@@ -62,12 +69,12 @@ class ArrayOps:
         b[op.writes] = self._scale(b[op.reads[0]])
 
     def matmul(self, op, b) -> None:
-        w = self.w[op.weights[0]]
-        b[op.writes] = self._product(w, _leading(b[op.reads[0]], w.shape[1]))
+        name = op.weights[0]
+        b[op.writes] = self._product(name, _leading(b[op.reads[0]], self.w[name].shape[1]))
 
     def matmul_add(self, op, b) -> None:
-        w = self.w[op.weights[0]]
-        self._product_add(w, _leading(b[op.reads[0]], w.shape[1]), b[op.writes])
+        name = op.weights[0]
+        self._product_add(name, _leading(b[op.reads[0]], self.w[name].shape[1]), b[op.writes])
 
     def rope_kv_write(self, op, b) -> None:
         b[op.writes] = self._rope_store(b[op.reads[0]], op.layer)
@@ -82,7 +89,7 @@ class ArrayOps:
         b[op.writes] = self._scale(b[op.reads[0]][:, self.logit_idx]) * self.w[op.weights[0]][:, None]
 
     def head(self, op, b) -> None:
-        b[op.writes] = self._head(self.w[op.weights[0]], b[op.reads[0]])
+        b[op.writes] = self._head(op.weights[0], b[op.reads[0]])
 
     def conv(self, op, b) -> None:
         di = self.dims["d_inner"]
@@ -120,14 +127,14 @@ class ArrayOps:
     def _scale(self, x):
         return rms_scale(np, x, self.eps)
 
-    def _product(self, w, x):
-        return np.matmul(w, x)
+    def _product(self, name: str, x):
+        return np.matmul(self.w[name], x)
 
-    def _product_add(self, w, x, out) -> None:
-        out += np.matmul(w, x)
+    def _product_add(self, name: str, x, out) -> None:
+        out += np.matmul(self.w[name], x)
 
-    def _head(self, w, h):
-        return np.ascontiguousarray(np.matmul(w, h).T)
+    def _head(self, name: str, h):
+        return np.ascontiguousarray(np.matmul(self.w[name], h).T)
 
     def _rope_store(self, qkv, layer: int):
         heads, kvh, hd = self.dims["heads"], self.dims["kv_heads"], self.dims["head_dim"]
@@ -178,14 +185,17 @@ class ArrayOps:
 
 
 class KernelOps(ArrayOps):
-    """The ops on the compiled kernels (cpu_kernels.Kernels): the glue between products is
-    one compiled call each (most of what a one-row step spent outside its products, and a
-    sixth of a long prompt's step), split across threads when the step has many tokens."""
+    """The ops on the compiled kernels: the glue between products is one compiled call each
+    (most of what a one-row step spent outside its products, and a sixth of a long prompt's
+    step), split across threads when the step has many tokens; each product is the model's
+    own (products.ModelProducts, by weight name)."""
 
-    def __init__(self, program: Program, weights: dict, kv, state, kernels, stack=None):
+    def __init__(self, program: Program, weights: dict, kv, state, products, glue, stack=None):
         super().__init__(program, weights, kv, state)
-        self.kernels = kernels
-        self.stack = stack  # cpu_layers.DecoderStack: the layers in one call, for the steps it takes
+        self.products, self.glue = products, glue
+        self.stack = stack  # decoder_stack.DecoderStack: the layers in one call, for the steps it takes
+        if stack is not None:  # the ops around the stack's
+            self._before, self._after = unfused(program.ops[: stack.first]), unfused(program.ops[stack.end :])
 
     def run(self, step, layout: StepLayout | None) -> np.ndarray:
         stack = self.stack
@@ -193,12 +203,9 @@ class KernelOps(ArrayOps):
             return super().run(step, layout)
         self.begin(step, layout)
         b: dict[str, np.ndarray] = {}
-        ops = self.program.ops
-        for op in ops[: stack.first]:
-            getattr(self, op.name)(op, b)
-        self.kernels.run_layers(stack, b["x"], self._rope_f, layout)
-        for op in ops[stack.end :]:
-            getattr(self, op.name)(op, b)
+        self.walk(self._before, b)
+        stack.run(b["x"], self._rope_f, layout)
+        self.walk(self._after, b)
         return b["logits"]
 
     def begin(self, step, layout: StepLayout | None) -> None:
@@ -208,27 +215,35 @@ class KernelOps(ArrayOps):
         super().begin(step, layout)
 
     def _scale(self, x):
-        return self.kernels.rms_scale(np.ascontiguousarray(x), self.eps)
+        return self.glue.rms_scale(np.ascontiguousarray(x), self.eps)
 
-    def _product(self, w, x):
-        return self.kernels.matmul(w, x)
+    def _product(self, name: str, x):
+        product = self.products[name]
+        result = product.run(x)
+        return result.T if product.head else result
 
-    def _product_add(self, w, x, out) -> None:
-        self.kernels.matmul_add(w, x, out)  # the residual add, in place
+    def _product_add(self, name: str, x, out) -> None:
+        product = self.products[name]
+        if not product.head and out.flags.c_contiguous:
+            product.run(x, out=out)  # the residual add, in place
+        else:
+            out += self._product(name, x)
 
-    def _head(self, w, h):
-        return self.kernels.head(w, h)  # (logits, vocab), token-major as returned
+    def _head(self, name: str, h):
+        product = self.products[name]
+        result = product.run(h)
+        return result if product.head else np.ascontiguousarray(result.T)  # (logits, vocab), token-major
 
     def _rope_store(self, qkv, layer: int):
         lay = self.layout
-        return self.kernels.rope_store(qkv, self._rope_f, lay.write_block, lay.write_offset, self.kv[layer],
-                                       self.dims["heads"])
+        return self.glue.rope_store(qkv, self._rope_f, lay.write_block, lay.write_offset, self.kv[layer],
+                                    self.dims["heads"])
 
     def _attend(self, q, layer: int):
-        return attention(np, q, self.kv[layer], self._paged, self._prefills, self.dims["kv_heads"], self.kernels)
+        return attention(np, q, self.kv[layer], self._paged, self._prefills, self.dims["kv_heads"], self.glue)
 
     def _silu_mul(self, gate_up):
-        return self.kernels.silu_mul(gate_up)
+        return self.glue.silu_mul(gate_up)
 
 
 def _leading(a: np.ndarray, k: int) -> np.ndarray:

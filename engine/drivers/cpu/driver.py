@@ -1,21 +1,37 @@
-"""The CPU driver: NumPy arrays, compiled kernels (numba) and, where installed, MKL's packed products."""
+"""The CPU driver: NumPy arrays, compiled kernels (numba) and, where installed, MKL's packed
+products. The package, one module a job:
+
+    driver.py           the driver: prepares a model's weights, products, caches; runs steps
+    runtime.py          what compiled code shares in a process: numba's build and cache stamp,
+                        the CPU's features, thread counts, OpenBLAS's spin clock
+    walk.py             the op walk: each op of engine/ops.py on NumPy, or on the kernels
+    glue.py             the compiled glue between products, and when it runs on how many threads
+    attention.py        paged attention over the KV pool, and the step's layout
+    decoder_stack.py    a program's Llama layers in one compiled call, where its products allow
+    products/           one product interface, a class per way of running one, the choice
+    kernels/            the numba kernels, a file a family of kernels
+    platform/           MKL, 2 MiB pages, the host's memory and CPU name
+"""
 
 from __future__ import annotations
 
 import logging
-import os
-import platform
 
 import numpy as np
 
-from ..models import family
-from ..ops import PAGED_OPS, STATE_OPS
-from ..plan import DeviceInfo, Plan
-from ..step import RowWork, StepArrays, StepOutput, host_logits
-from . import cpu_kernels, cpu_layers, huge_pages, mkl_products
-from .base import Driver
-from .cpu_attention import StepLayout, kv_cache_shape, step_layout
-from .cpu_ops import ArrayOps, KernelOps
+from ...models import family
+from ...ops import PAGED_OPS, STATE_OPS, unfused
+from ...plan import DeviceInfo, Plan
+from ...step import RowWork, StepArrays, StepOutput, host_logits
+from ..base import Driver
+from .attention import StepLayout, kv_cache_shape, step_layout
+from .decoder_stack import decoder_stack
+from .glue import Glue
+from .platform import huge_pages, mkl
+from .platform.host import cpu_name, host_memory_bytes
+from .products import ModelProducts
+from .runtime import Runtime, shared
+from .walk import ArrayOps, KernelOps
 
 log = logging.getLogger("poot.engine")
 
@@ -26,37 +42,11 @@ CPU_ROWS = 32  # rows a CPU steps at far less than 32x the cost of one (weights 
 PAGED_ROW_TOKENS = 1 << 62
 
 
-def host_memory_bytes() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def cpu_name() -> str:
-    """The CPU as /proc/cpuinfo names it, with the cores this process may use: the plan
-    names it, since the products are chosen by timing on it."""
-    name = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    name = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return f"{name}, {len(os.sched_getaffinity(0))} cores"
-
-
-class NumpyDriver(Driver):
+class CpuDriver(Driver):
     backend = "numpy"
 
     def __init__(self, memory_bytes: int | None = None, kernels: bool = True, mkl: bool = True,
-                 device_picks: bool = True, compact: bool = True, stack: bool = True):
+                 device_picks: bool = True, compact: bool = True, stack: bool = True, runtime: Runtime | None = None):
         super().__init__()
         self.device_picks = device_picks  # False: every row's logits come back (tests compare the two)
         self._memory = memory_bytes
@@ -68,34 +58,37 @@ class NumpyDriver(Driver):
         self._want_compact = compact
         self._codes: tuple = (None, {})  # (model, its family's block_codes()), found once per model
         self._want_stack = stack  # False: the layers op by op at every token count (tests compare the two)
-        self.kernels = None  # cpu_kernels.Kernels once compiled in prepare()
-        self.stack = None  # cpu_layers.DecoderStack: the layers in one call, where the program allows
+        self.runtime = runtime or shared()
+        self.products: ModelProducts | None = None  # once the kernels are compiled in prepare()
+        self.stack = None  # decoder_stack.DecoderStack: the layers in one call, where the program allows
+        self.walk: ArrayOps | None = None
+
+    def _kernels(self) -> bool:
+        return self._want_kernels and self.runtime.available()
 
     def device(self) -> DeviceInfo:
         memory = self._memory if self._memory is not None else host_memory_bytes()
-        padded = self._uses_mkl()
-        return DeviceInfo("numpy", "cpu", memory, CPU_ROWS, token_multiple=mkl_products.PAD_TOKENS if padded else 1,
+        return DeviceInfo("numpy", "cpu", memory, CPU_ROWS, token_multiple=mkl.PAD_TOKENS if self._uses_mkl() else 1,
                           adapter=cpu_name())
 
     def _half_kv(self) -> bool:
         """The KV cache in float16: decode attention reads every cached key and value each step,
         so its bytes bound it (1.3-1.4x faster at half of them; the cache holds twice the tokens).
         Kept as uint16 bits, since numba has no float16; only the kernels read it."""
-        return self._want_compact and self._want_kernels and cpu_kernels.available()
+        return self._want_compact and self._kernels()
 
     def kv_bytes_per_token(self, config) -> int:
         return config.kv_bytes_per_token(2 if self._half_kv() else 4)
 
     def _uses_mkl(self) -> bool:
-        return self._want_kernels and self._want_mkl and cpu_kernels.available() and mkl_products.available()
+        return self._want_mkl and self._kernels() and mkl.available()
 
     def weight_bytes(self, model) -> int:
         """The weights, plus MKL's packed copy of every large matrix a product reads when the
         products will run there (the few-token kernel still reads the originals)."""
         total = super().weight_bytes(model)
         if self._uses_mkl():
-            total += sum(w.nbytes for w in model.weights.values()
-                         if w.ndim == 2 and w.size >= mkl_products.MIN_PACKED_WEIGHTS)
+            total += sum(w.nbytes for w in model.weights.values() if w.ndim == 2 and w.size >= mkl.MIN_PACKED_WEIGHTS)
         # The block codes are a second copy, with their float32 values (for the float paths
         # their products may choose) packed for MKL in place of the folded matrix.
         for codes, scale in self._block_codes(model).values():
@@ -107,7 +100,7 @@ class NumpyDriver(Driver):
         weights from anywhere else), found once per model: checking every weight takes a
         second or two on SmolLM2."""
         fam = family(model.config)
-        if not (self._want_compact and self._want_kernels and hasattr(fam, "block_codes") and cpu_kernels.available()):
+        if not (self._want_compact and hasattr(fam, "block_codes") and self._kernels()):
             return {}
         if self._codes[0] is not model:
             self._codes = (model, fam.block_codes(model.config, model.weights))
@@ -119,22 +112,41 @@ class NumpyDriver(Driver):
         self.program = program = fam.program(model.config)
         self.weights = fam.prepare(model.config, model.weights, plan.positions)
         self._built()
-        if self._want_kernels and not cpu_kernels.available():
+        self.products = None
+        if self._want_kernels and not self.runtime.available():
             # Several times slower: say so where the operator looks, not only in the plan.
-            log.warning("%s: every step runs on the plain NumPy path", cpu_kernels.unavailable_reason())
-        if self._want_kernels and cpu_kernels.available():
-            for _ in range(cpu_kernels.compile()):
-                self._built()
-            products = {w for op in program.ops if op.name in ("matmul", "matmul_add") for w in op.weights}
-            head = [self.weights[w] for op in program.ops if op.name == "head" for w in op.weights]
-            # Packing the weights for MKL is part of preparing them, not a compile of its own.
-            codes = [(self.weights[name], c, scale) for name, (c, scale) in self._block_codes(model).items()]
-            self.kernels = cpu_kernels.Kernels([self.weights[w] for w in sorted(products)], use_mkl=self._want_mkl,
-                                               head=head[0] if head else None, codes=codes)
-            if codes:
-                self._built()  # the block kernels
-                self.kernels.measure(plan.max_step_tokens, plan.rows)
-            self._specializations = self.kernels.specializations()
+            log.warning("%s: every step runs on the plain NumPy path", self.runtime.unavailable_reason())
+        if self._kernels():
+            self._prepare_products(plan, model)
+        self._allocate(plan)
+        self.stack = None
+        if self._want_stack and self.products is not None and self.products.coded:
+            self.stack = decoder_stack(program, self.products, self.kv_pool, self.runtime)
+        if self.products is not None:
+            self.walk = KernelOps(program, self.weights, self.kv, self.state, self.products,
+                                  Glue(self.runtime, shared_pool=self._uses_mkl()), self.stack)
+            self._specializations = self.runtime.specializations()
+        else:
+            self.walk = ArrayOps(program, self.weights, self.kv, self.state)
+        self._built()
+
+    def _prepare_products(self, plan: Plan, model) -> None:
+        for _ in range(self.runtime.compile()):
+            self._built()
+        parts = unfused(self.program.ops)
+        names = sorted({w for op in parts if op.name in ("matmul", "matmul_add") for w in op.weights})
+        head = next((op.weights[0] for op in parts if op.name == "head"), None)
+        codes = self._block_codes(model)
+        # Packing the weights for MKL is part of preparing them, not a compile of its own.
+        self.products = ModelProducts(self.weights, names, self.runtime, head=head, codes=codes,
+                                      use_mkl=self._want_mkl)
+        if self.products.coded:
+            self._built()  # the block kernels
+            self.products.measure(plan.max_step_tokens, plan.rows)
+
+    def _allocate(self, plan: Plan) -> None:
+        """Each layer's KV cache (one pool) or recurrent state."""
+        program = self.program
         dims, layers = program.dims, program.layers
         self.kv = self.state = self.kv_pool = None
         if program.paged:
@@ -148,44 +160,32 @@ class NumpyDriver(Driver):
             # One pool for every layer's cache (a compiled decoder stack takes it whole).
             paged = layers(PAGED_OPS)
             self.kv_pool = huge_pages.empty((len(paged), *shape),
-                                            np.uint16 if self.kernels is not None and self._half_kv() else np.float32)
+                                            np.uint16 if self.products is not None and self._half_kv() else np.float32)
             self.kv_pool.fill(0)  # +0.0 in either
             self.kv = [None] * (max(paged) + 1)
             for k, i in enumerate(paged):
                 self.kv[i] = self.kv_pool[k]
-        self.stack = None
-        if self._want_stack and self.kernels is not None and self.kernels.blocks:
-            self.stack = cpu_layers.decoder_stack(program, self.weights, self.kernels, self.kv_pool)
-            if self.stack is not None:
-                self._specializations = self._count_specializations()
         if program.recurrent:  # one state slot per row, no KV pool
             rows, di = plan.state_slots or plan.rows, dims["d_inner"]
             self.state = [None] * (max(layers(STATE_OPS)) + 1)
             for i in layers(STATE_OPS):
                 self.state[i] = (np.zeros((rows, dims["d_conv"] - 1, di), np.float32),
                                  np.zeros((rows, di, dims["d_state"]), np.float32))
-        self._built()
 
     def product_choice(self) -> tuple[str, ...]:
-        """What runs each product, as measured when preparing (cpu_product_choice), for the
+        """What runs each product, as measured when preparing (products/choice.py), for the
         plan /health publishes; empty where nothing was measured."""
-        if self.kernels is None or not self.kernels.choices:
+        if self.products is None or not self.products.choices:
             return ()
-        return tuple(c.describe() for c in self.kernels.choices)
+        return tuple(c.describe() for c in self.products.choices)
 
     def run_step(self, step: StepArrays, batch: list[RowWork]) -> StepOutput:
         layout = self.layout(step) if self.program.paged else None
-        ops = KernelOps(self.program, self.weights, self.kv, self.state, self.kernels, self.stack) \
-            if self.kernels is not None \
-            else ArrayOps(self.program, self.weights, self.kv, self.state)
-        logits = ops.run(step, layout)
-        if self.kernels is not None and self._count_specializations() != self._specializations:
-            self._specializations = self._count_specializations()  # a kernel compiled for new types
+        logits = self.walk.run(step, layout)
+        if self.products is not None and self.runtime.specializations() != self._specializations:
+            self._specializations = self.runtime.specializations()  # a kernel compiled for new types
             self._built()
         return host_logits(batch, np.ascontiguousarray(logits, dtype=np.float32))
-
-    def _count_specializations(self) -> int:
-        return self.kernels.specializations() + (self.stack.specializations() if self.stack is not None else 0)
 
     def open_row(self, row: int, block_table: list[int]) -> None:
         super().open_row(row, block_table)
@@ -201,6 +201,6 @@ class NumpyDriver(Driver):
     def layout(self, step: StepArrays) -> StepLayout:
         """Where each fed token sits: positions, KV slots, and which rows attend in place.
         With the kernels every row attends in place; without them only decode rows are paged
-        queries, and prefill chunks go as causal tiles (cpu_attention)."""
-        paged_upto = PAGED_ROW_TOKENS if self.kernels is not None else 1
+        queries, and prefill chunks go as causal tiles (attention.py)."""
+        paged_upto = PAGED_ROW_TOKENS if self.products is not None else 1
         return step_layout(step, self.tables, paged_upto)

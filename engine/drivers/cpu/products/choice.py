@@ -1,5 +1,5 @@
-"""Which path runs a product, chosen by timing the candidates on this machine when the driver
-prepares (before /health says ok), not by assumption: the library that is fastest on one CPU
+"""Which path runs a product on block codes, chosen by timing the candidates on this machine
+when the driver prepares (before /health says ok), not by assumption: the library that is fastest on one CPU
 is not on another (on a 2-core Zen 4, OpenBLAS beat MKL at one token and MKL beat it at 32,
 the reverse of what an Intel machine showed), and the integer path's lead over the float ones
 shrinks as tokens grow.
@@ -9,6 +9,9 @@ step's most tokens, every candidate path runs on random activations and the fast
 a step of T tokens runs the choice of the smallest bucket >= T. Buckets of few tokens time a
 pass over every matrix of the shape (what a real step reads: the weights from memory, not from
 a warm cache); larger ones, whose products are bound by arithmetic, one matrix a few times.
+
+The choice is plain data (`ShapeChoice.as_data`, `restore`): what was measured once can be
+set again without timing anything.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from .registry import CODE_PATHS
 
 BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 MEMORY_BOUND_TOKENS = 8  # up to here a timing pass reads every matrix of the shape
@@ -27,12 +32,12 @@ MEMORY_BOUND_TOKENS = 8  # up to here a timing pass reads every matrix of the sh
 REPEATS = 2
 REPEATS_ABOVE = 3
 PRUNE = 3.0  # a path this many times slower than the best so far is not timed again at this bucket
-# Paths on OpenBLAS's own threads: timed last in each shape (they spin afterwards,
-# cpu_kernels.BLAS_SPIN_S), and chosen only when clearly faster than the best path on the
-# pool every other kernel of a step runs on: timed alone a product cannot show what two pools
-# on the same cores cost each other (on two cores, a step alternating between them ran
+# Paths on OpenBLAS's own threads (Path.blas_threads): timed last in each shape (they spin
+# afterwards, runtime.BLAS_SPIN_S), and chosen only when clearly faster than the best path on
+# the pool every other kernel of a step runs on: timed alone a product cannot show what two
+# pools on the same cores cost each other (on two cores, a step alternating between them ran
 # several times slower).
-SLOW_LAST = ("openblas",)
+SLOW_LAST = tuple(k.name for k in CODE_PATHS if k.blas_threads)
 OTHER_POOL_MARGIN = 1.25
 
 
@@ -58,6 +63,16 @@ class ShapeChoice:
         o, i = self.shape
         return f"{o}x{i}{' head' if self.head else ''} x{self.matrices}: {self.chosen()}"
 
+    def as_data(self) -> dict:
+        """The choice as plain data (JSON's types): shape, head, matrices and table."""
+        return {"shape": list(self.shape), "head": self.head, "matrices": self.matrices,
+                "table": [[most, path] for most, path in self.table]}
+
+    @classmethod
+    def from_data(cls, data: dict) -> ShapeChoice:
+        return cls(tuple(data["shape"]), bool(data["head"]), int(data["matrices"]),
+                   table=[(int(most), str(path)) for most, path in data["table"]])
+
 
 def buckets_upto(tokens: int) -> list[int]:
     """The buckets a step of at most `tokens` tokens can fall in."""
@@ -71,9 +86,7 @@ def choose(products: list, max_tokens: int, head_tokens: int, run, settle, clock
     them) for steps of up to `max_tokens` tokens (the head: `head_tokens`, the logits a step
     asks for) and sets each product's table; `settle()` waits out the BLAS threads' spin
     after timing a path in SLOW_LAST. Returns the measurements, one per shape."""
-    groups: dict[tuple, list] = {}
-    for p in products:
-        groups.setdefault((p.shape, p.head), []).append(p)
+    groups = _groups(products)
     rng = np.random.default_rng(0)
     choices = []
     for (shape, head), members in groups.items():
@@ -92,10 +105,39 @@ def choose(products: list, max_tokens: int, head_tokens: int, run, settle, clock
     pools = _pool_per_bucket(choices)
     for choice in choices:
         choice.table = _table(choice.seconds, pools)
+    _apply(groups, choices)
+    return choices
+
+
+def restore(products: list, choices: list[ShapeChoice]) -> bool:
+    """Sets each product's table from `choices` (as choose() made them, read back from their
+    data) without timing anything. False, and nothing set, unless the choices are for the
+    products' shapes, each with its number of matrices, naming only paths they have."""
+    groups = _groups(products)
+    by_shape = {(c.shape, c.head): c for c in choices}
+    if set(by_shape) != set(groups):
+        return False
+    for key, members in groups.items():
+        c = by_shape.get(key)
+        if c is None or c.matrices != len(members) or not c.table or \
+                any(path not in members[0].paths for _, path in c.table):
+            return False
+    _apply(groups, [by_shape[key] for key in groups])
+    return True
+
+
+def _groups(products: list) -> dict[tuple, list]:
+    groups: dict[tuple, list] = {}
+    for p in products:
+        groups.setdefault((p.shape, p.head), []).append(p)
+    return groups
+
+
+def _apply(groups: dict[tuple, list], choices: list[ShapeChoice]) -> None:
+    for choice in choices:
         for p in groups[(choice.shape, choice.head)]:
             p.table = list(choice.table)
             p.keep_only({path for _, path in choice.table})
-    return choices
 
 
 def _time(members: list, path: str, x: np.ndarray, run, best: float, clock) -> float:

@@ -1,0 +1,209 @@
+"""The integer kernel's inner loop as LLVM IR (`tile`), for AVX-512 VNNI.
+
+Why not numba alone: LLVM vectorizes a long int8 reduction into VNNI but left the per-block
+one (32 terms, then a float scale) scalar, at a quarter of the float kernel's speed. So the
+inner loop is written here as LLVM IR: for a tile of rows by tokens it keeps one 16-lane float
+accumulator per (row, token), over codes and activations in the kernel's own order
+(vnni_layout.py). No horizontal sum happens until the end of the row. A (row, token)'s sum is
+computed in the same order whatever the tile or the token count, so a token's result does not
+depend on what else is in the step.
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from .vnni_layout import BLOCK, GROUP
+
+# Tiles by token count, measured on SmolLM2's shapes (2-core Zen 4, products of 1-24 tokens
+# interleaved in one run): a lone token's rows two at a time (below), 2 x 2 tiles for two or
+# three, 4 x 4 (16 sums, 4 rows' codes and a token's within the 32 vector registers) from four,
+# the tokens left over in pairs. 4 x 4 tiles reach 90-100 G multiply-adds/s on the two cores.
+# A lone token takes 4-bit rows two at a time (COLUMN; byte codes one): one row's sum is a chain of dependent
+# steps (dot products, scale, horizontal sum) that left the core idle between rows; two in
+# flight ran a one-token product 2.3x faster with the codes in cache (576 x 576 on one thread:
+# 10.9 against 25.2 us), a step's 120 layer products out of cache 1.03-1.1x faster (separate
+# processes, alternated). Four rows: no faster. Byte codes (a Q8_0 head) stay one row a tile:
+# two were slower there (1.10 against 0.75 ms for SmolLM2's head).
+PAIR, WIDE = 2, 4
+COLUMN = 2
+CHAINS = 4  # a dot product's latency over its throughput: a lone (row, token) splits its sum
+# Codes are asked for this many rows ahead of the tile, into L2 (llvm.prefetch locality 2): 16
+# rows into L1 ran a step's one-token products in 3.55-3.75 ms, 32 into L2 in 3.18-3.31 (48 and
+# 64: no better); 48 or 128 rows into L1 were 1.5x slower (L1 holds 32 KiB, fewer lines than that).
+PREFETCH_ROWS = 32
+
+_I32, _F32 = ir.IntType(32), ir.FloatType()
+_I8P = ir.IntType(8).as_pointer()
+_V32B = ir.VectorType(ir.IntType(8), 32)
+_V16I, _V16F = ir.VectorType(_I32, 16), ir.VectorType(_F32, 16)
+_V32W = ir.VectorType(ir.IntType(16), 32)
+
+
+def _make_tile(rows: int, tokens: int, nibbles: bool, lane_weights: bool):
+    """An intrinsic adding a rows x tokens tile's products to out: for each (r, t) of the tile,
+    out[(r0 + r - first) * rs + (t0 + t) * ts] += sum over blocks of d dx (u . v) + m' c, codes and
+    activations in kernel order (see `kernel_order`), dx and c in lane layout (lane_scales).
+    `first`: the product's row that out's row 0 holds (0, or a task's first row when it
+    writes a scratch of its own). `nibbles`: the codes are 4-bit, two a byte (pack_nibbles),
+    unpacked in registers. `lane_weights`: d and m in lane layout too (several tokens' tiles,
+    where each run's scales serve many products); else as the file has them, a block a
+    scale (a lone token's tiles, which bandwidth bounds: fewer bytes). The same values in the
+    same lanes either way, so a sum's result does not depend on which tile took it."""
+    group = GROUP
+    chains = max(1, CHAINS // (rows * tokens))  # independent sums a tile keeps in flight
+    # Codes asked for PREFETCH_ROWS ahead: a step's one-token products (2 x 1 tiles) ran in
+    # 2.7-3.1 ms with, 3.2-3.3 without; 1.0-1.3x faster at 2-8 tokens. A 1 x 1 tile (a lone
+    # token's last row) is left to the hardware's prefetchers, which follow one ordered stream.
+    prefetching = rows * tokens > 1
+
+    @intrinsic
+    def tile(typingctx, codes, d, m, v, dx, c, out, r0, t0, rs, ts, first):
+        sig = types.void(codes, d, m, v, dx, c, out, types.intp, types.intp, types.intp, types.intp, types.intp)
+
+        def codegen(context, builder, signature, args):
+            kinds = signature.args
+            r0, t0, rs, ts, first = args[7:]
+            codes_s, d_s, m_s, v_s, dx_s, c_s, out_s = (context.make_array(k)(context, builder, a)
+                                                        for k, a in zip(kinds[:7], args[:7], strict=True))
+            width = builder.extract_value(v_s.shape, 1)  # activations a token (codes a row)
+            stride = builder.extract_value(codes_s.shape, 1)  # bytes a row of codes
+            blocks = builder.udiv(width, ir.Constant(width.type, BLOCK))
+            groups = builder.udiv(blocks, ir.Constant(width.type, group))
+            pairs = builder.udiv(builder.sub(blocks, builder.mul(groups, ir.Constant(width.type, group))),
+                                 ir.Constant(width.type, 2))
+
+            def at(k: int, base):
+                return builder.add(base, ir.Constant(base.type, k))
+
+            def row(data, index, stride, kind):
+                return builder.gep(builder.bitcast(data, kind.as_pointer()), [builder.mul(index, stride)])
+
+            code_rows = [row(codes_s.data, at(k, r0), stride, ir.IntType(8)) for k in range(rows)]
+            half = kinds[1].dtype == types.uint16  # the scales as float16 bits (half_scales)
+            scale_kind = ir.HalfType() if half else _F32
+            d_stride = builder.extract_value(d_s.shape, 1)  # blocks, or lane_width(blocks)
+            d_rows = [row(d_s.data, at(k, r0), d_stride, scale_kind) for k in range(rows)]
+            m_rows = [row(m_s.data, at(k, r0), d_stride, scale_kind) for k in range(rows)]
+            v_rows = [row(v_s.data, at(k, t0), width, ir.IntType(16)) for k in range(tokens)]
+            lanes_a_token = builder.extract_value(dx_s.shape, 1)
+            dx_rows = [row(dx_s.data, at(k, t0), lanes_a_token, _F32) for k in range(tokens)]
+            c_rows = [row(c_s.data, at(k, t0), lanes_a_token, _F32) for k in range(tokens)]
+            module = builder.module
+            dot = cgutils.get_or_insert_function(module, ir.FunctionType(_V16I, [_V16I] * 3),
+                                                 "llvm.x86.avx512.vpdpwssd.512")
+            fma = cgutils.get_or_insert_function(module, ir.FunctionType(_V16F, [_V16F] * 3), "llvm.fma.v16f32")
+            acc = [[cgutils.alloca_once_value(builder, ir.Constant(_V16F, None)) for _ in range(tokens)]
+                   for _ in range(rows)]
+            zero = ir.Constant(_V16I, None)
+            prefetch = cgutils.get_or_insert_function(
+                module, ir.FunctionType(ir.VoidType(), [_I8P, _I32, _I32, _I32]), "llvm.prefetch.p0")
+            ahead = builder.mul(stride, ir.Constant(stride.type, PREFETCH_ROWS))  # bytes
+            chunk_bytes = ir.Constant(width.type, 32 if nibbles else 64)  # a chunk: 64 codes
+
+            def words(b):
+                """32 codes as 16 int32 lanes of two 16-bit words (vpdpwssd's operand)."""
+                return builder.bitcast(builder.zext(b, _V32W), _V16I)
+
+            def codes_at(c, chunk):
+                """A chunk's 64 codes as two word vectors: codes 0-31 and 32-63 (a byte each, or
+                the low and high nibbles of 32 bytes)."""
+                at_c = builder.gep(c, [builder.mul(chunk, chunk_bytes)])
+                if nibbles:
+                    # Widened as it loads (one shuffle, where widening each nibble took two): 5% faster.
+                    w = builder.zext(builder.load(builder.bitcast(at_c, _V32B.as_pointer()), align=1), _V32W)
+                    low = builder.and_(w, ir.Constant(_V32W, [15] * 32))
+                    return builder.bitcast(low, _V16I), builder.bitcast(builder.lshr(w, ir.Constant(_V32W, [4] * 32)), _V16I)
+                first = builder.load(builder.bitcast(at_c, _V32B.as_pointer()), align=1)
+                second = builder.load(builder.bitcast(builder.gep(at_c, [ir.Constant(chunk.type, 32)]),
+                                                      _V32B.as_pointer()), align=1)
+                return words(first), words(second)
+
+            def activations_at(vr, chunk):
+                base = builder.gep(vr, [builder.mul(chunk, ir.Constant(chunk.type, 64))])
+                return [builder.load(builder.bitcast(builder.gep(base, [ir.Constant(chunk.type, k)]),
+                                                     _V16I.as_pointer()), align=2) for k in (0, 32)]
+
+            def scales_at(data, first, count, kind, lone=False):
+                """count scales from block `first`, each spread over 16 / count lanes (`lone`:
+                on the first of them only, the others 0)."""
+                vector = ir.VectorType(kind, count)
+                s = builder.load(builder.bitcast(builder.gep(data, [first]), vector.as_pointer()),
+                                 align=2 if kind is not _F32 else 4)
+                if kind is not _F32:
+                    s = builder.fpext(s, ir.VectorType(_F32, count))
+                if count == 16:
+                    return s
+                lanes = 16 // count
+                picks = [lane // lanes if not lone or lane % lanes == 0 else count for lane in range(16)]
+                return builder.shuffle_vector(s, ir.Constant(s.type, None), ir.Constant(ir.VectorType(_I32, 16), picks))
+
+            def span(count, first_block, first_chunk, first_run, size):
+                """`count` runs of `size` blocks from block first_block (chunk first_chunk, run
+                first_run): each run's products summed exactly in int32, then scaled once."""
+                with cgutils.for_range(builder, count) as loop:
+                    k = loop.index
+                    chunk0 = builder.add(first_chunk, builder.mul(k, ir.Constant(k.type, size // 2)))
+                    block0 = builder.add(first_block, builder.mul(k, ir.Constant(k.type, size)))
+                    lane0 = builder.mul(builder.add(first_run, k), ir.Constant(k.type, 16))
+                    sums = [[[zero] * chains for _ in range(tokens)] for _ in range(rows)]
+                    for j in range(size // 2):
+                        chunk = at(j, chunk0)
+                        for c in code_rows if prefetching else ():  # the rows a few tiles on, at the same place
+                            where = builder.gep(c, [builder.add(builder.mul(chunk, chunk_bytes), ahead)])
+                            builder.call(prefetch, [where, ir.Constant(_I32, 0), ir.Constant(_I32, 2),
+                                                    ir.Constant(_I32, 1)])
+                        u = [codes_at(c, chunk) for c in code_rows]
+                        for t in range(tokens):
+                            a = activations_at(v_rows[t], chunk)
+                            for r in range(rows):
+                                for half_ in range(2):
+                                    chain = (2 * j + half_) % chains
+                                    sums[r][t][chain] = builder.call(dot, [sums[r][t][chain], u[r][half_], a[half_]])
+                    # The offsets' term m' * c, a block a lane (one lane of a block spread over several).
+                    if lane_weights:
+                        ds = [scales_at(s, lane0, 16, scale_kind) for s in d_rows]
+                        ms = [scales_at(s, lane0, 16, scale_kind) for s in m_rows]
+                    else:
+                        ds = [scales_at(s, block0, size, scale_kind) for s in d_rows]
+                        ms = [scales_at(s, block0, size, scale_kind, lone=True) for s in m_rows]
+                    xs = [scales_at(s, lane0, 16, _F32) for s in dx_rows]
+                    cs = [scales_at(s, lane0, 16, _F32) for s in c_rows]
+                    for r in range(rows):
+                        for t in range(tokens):
+                            scale = builder.fmul(ds[r], xs[t])
+                            exact = sums[r][t][0]
+                            for chain in range(1, chains):
+                                exact = builder.add(exact, sums[r][t][chain])
+                            total = builder.call(fma, [builder.sitofp(exact, _V16F), scale,
+                                                       builder.load(acc[r][t])])
+                            builder.store(builder.call(fma, [ms[r], cs[t], total]), acc[r][t])
+
+            origin = ir.Constant(width.type, 0)
+            span(groups, origin, origin, origin, group)
+            tail = builder.mul(groups, ir.Constant(width.type, group))
+            span(pairs, tail, builder.udiv(tail, ir.Constant(width.type, 2)), groups, 2)
+            total = cgutils.get_or_insert_function(module, ir.FunctionType(_F32, [_F32, _V16F]),
+                                                   "llvm.vector.reduce.fadd.v16f32")
+            for r in range(rows):
+                for t in range(tokens):
+                    index = builder.add(builder.mul(builder.sub(at(r, r0), first), rs), builder.mul(at(t, t0), ts))
+                    ptr = builder.gep(out_s.data, [index])
+                    builder.store(builder.call(total, [builder.load(ptr), builder.load(acc[r][t])]), ptr)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return tile
+
+
+tile_wide = _make_tile(WIDE, WIDE, False, True)
+tile_pair = _make_tile(PAIR, PAIR, False, True)
+tile_one = _make_tile(1, 1, False, False)
+tile_wide_4 = _make_tile(WIDE, WIDE, True, True)
+tile_pair_4 = _make_tile(PAIR, PAIR, True, True)
+tile_one_4 = _make_tile(1, 1, True, False)
+tile_column_4 = _make_tile(COLUMN, 1, True, False)
