@@ -24,10 +24,17 @@ HERE = Path(__file__).parent
 CXX = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++-15")  # clang 15 comes with hipcc
 
 
+# Each library keeps its own symbols: kernel names such as `pick` are also exported by other
+# libraries a test process loads (MKL's core has a `pick`), and the runtime's state, C++
+# inline variables, would otherwise be one GNU-unique object shared by the 32- and 64-lane
+# builds. Only the sim_ entries are exported.
+HERMETIC = ("-fvisibility=hidden", "-fvisibility-inlines-hidden")  # hidden symbols are never GNU-unique
+
+
 def _wrappers(code: str, name: str) -> str:
     """An exported entry per kernel: sim_NAME(geometry, args) launches NAME on the runtime."""
-    return "\n".join(f'extern "C" int sim_{k}(const unsigned* g, void** a) {{ return sim::launch({k}, g, a); }}'
-                     for k in cc.kernel_names(name))
+    return "\n".join(f'extern "C" __attribute__((visibility("default"))) int sim_{k}(const unsigned* g, void** a) '
+                     f'{{ return sim::launch({k}, g, a); }}' for k in cc.kernel_names(name))
 
 
 def build(folder: Path, lanes: int, sources: dict[str, str] | None = None) -> ctypes.CDLL:
@@ -47,13 +54,13 @@ def build(folder: Path, lanes: int, sources: dict[str, str] | None = None) -> ct
         for name, text in units.items():
             (work / name).write_text(text)
             obj = work / (name + ".o")
-            run = subprocess.run([CXX, "-std=c++20", "-O2", "-fPIC", "-c", "-x", "c++", f"-DLANES={lanes}",
+            run = subprocess.run([CXX, "-std=c++20", "-O2", "-fPIC", *HERMETIC, "-c", "-x", "c++", f"-DLANES={lanes}",
                                   "-include", str(HERE / "runtime.h"), f"-I{work}", str(work / name), "-o", str(obj)],
                                  capture_output=True, text=True, timeout=300)
             if run.returncode:
                 raise RuntimeError(f"the host build of {name} failed:\n{run.stderr}")
             objects.append(str(obj))
-        subprocess.run([CXX, "-shared", "-o", str(lib), *objects], check=True, timeout=120)
+        subprocess.run([CXX, "-shared", "-Wl,-Bsymbolic", "-o", str(lib), *objects], check=True, timeout=120)
     return ctypes.CDLL(str(lib))
 
 
