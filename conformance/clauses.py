@@ -14,7 +14,17 @@ SOURCES_DIR = SPEC_DIR / "sources"
 SUITE_DIR = Path(__file__).parent / "suite"
 
 LEVELS = ("MUST", "SHOULD")
-PROFILES = ("core", "metrics", "faults", "startup", "prefix", "determinism", "speculative", "sampling")
+PROFILES = ("core", "metrics", "faults", "startup", "prefix", "determinism", "speculative", "sampling", "extensions")
+# Where a clause's requirement comes from. A failure of a clause sourced from the reference
+# design may be another server's own choice rather than a bug; the report counts those apart
+# (a clause with a `design_choice` says what other servers do instead).
+SOURCES = {
+    "openai": "OpenAI's API reference",
+    "sse": "the server-sent events format (HTML Living Standard)",
+    "design": "the reference design (seed 000: poot-serve's scheduling loop, /health and /metrics)",
+    "practice": "continuous-batching serving practice (seed 001)",
+    "extension": "an extension of OpenAI's API that servers share (vLLM's sampling parameters)",
+}
 NEEDS = ("metrics", "plan", "fault-injection", "server-command", "recurrent-model", "speculative-server", "api-key")
 ID_PATTERN = re.compile(r"^[a-z]+(/[a-z0-9-]+)*/[0-9]+$")
 
@@ -31,6 +41,8 @@ class Clause:
     requirement: str
     observe: str
     profile: str
+    source: str = "design"
+    design_choice: str = ""  # what other servers do instead, where the clause checks a choice of the reference design
     needs: tuple[str, ...] = ()
     area_title: str = ""
 
@@ -84,7 +96,7 @@ def matches(clause_id: str, prefix: str) -> bool:
 
 
 def _clause(raw: dict, area: str, area_title: str, path: Path) -> Clause:
-    missing = {"id", "title", "level", "requirement", "observe", "profile"} - raw.keys()
+    missing = {"id", "title", "level", "requirement", "observe", "profile", "source"} - raw.keys()
     if missing:
         raise SpecError(f"{path.name}: clause {raw.get('id', '?')} lacks {sorted(missing)}")
     cid = raw["id"]
@@ -96,12 +108,17 @@ def _clause(raw: dict, area: str, area_title: str, path: Path) -> Clause:
         raise SpecError(f"{path.name}: {cid}: the requirement must use the word {raw['level']}")
     if raw["profile"] not in PROFILES:
         raise SpecError(f"{path.name}: {cid}: unknown profile {raw['profile']!r}")
+    if raw["source"] not in SOURCES:
+        raise SpecError(f"{path.name}: {cid}: unknown source {raw['source']!r} (one of {', '.join(SOURCES)})")
+    choice = " ".join(str(raw.get("design_choice") or "").split())
+    if choice and raw["source"] != "design":
+        raise SpecError(f"{path.name}: {cid}: a design_choice is the reference design's: its source must be design")
     needs = tuple(raw.get("needs", ()))
     if unknown := set(needs) - set(NEEDS):
         raise SpecError(f"{path.name}: {cid}: unknown needs {sorted(unknown)}")
     return Clause(id=cid, title=raw["title"], level=raw["level"], requirement=" ".join(raw["requirement"].split()),
-                  observe=" ".join(raw["observe"].split()), profile=raw["profile"], needs=needs,
-                  area_title=area_title)
+                  observe=" ".join(raw["observe"].split()), profile=raw["profile"], source=raw["source"],
+                  design_choice=choice, needs=needs, area_title=area_title)
 
 
 def load_spec(spec_dir: Path = SPEC_DIR) -> Spec:

@@ -40,16 +40,18 @@ def matrix(reports: list[dict], names: list[str]) -> str:
     """The Markdown matrix of several JSON reports."""
     order: list[str] = []
     titles: dict[str, str] = {}
+    sources: dict[str, str] = {}  # where each requirement comes from; "design choice" for the design's own
     cells: list[dict[str, dict]] = []
     for report in reports:
         by_id = {}
         for c in report.get("clauses", []):
             by_id[c["id"]] = c
             titles.setdefault(c["id"], c.get("title", ""))
+            sources.setdefault(c["id"], "design choice" if c.get("design_choice") else c.get("source", "-"))
             if c["id"] not in order:
                 order.append(c["id"])
         cells.append(by_id)
-    lines = ["| clause | title | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+    lines = ["| clause | title | source | " + " | ".join(names) + " |", "|---|---|---|" + "---|" * len(names)]
     notes: dict[tuple[str, str], list[str]] = {}  # (server, reason) -> its clauses: one note per reason
     for cid in order:
         row = []
@@ -64,20 +66,22 @@ def matrix(reports: list[dict], names: list[str]) -> str:
                 clauses.append(cid)
                 mark += f" [{list(notes).index((name, _short(c['why'], 300))) + 1}]"
             row.append(mark)
-        lines.append(f"| `{cid}` | {_short(titles[cid], 80)} | " + " | ".join(row) + " |")
+        lines.append(f"| `{cid}` | {_short(titles[cid], 80)} | {sources[cid]} | " + " | ".join(row) + " |")
     totals = []
     for report in reports:
         s = report.get("summary", {})
-        total = f"{s.get('passed', 0)} passed, {s.get('failed', 0)} failed, {s.get('not_supported', 0)} n/s"
+        choices = len(report.get("failed_design_choices", []))
+        total = f"{s.get('passed', 0)} passed, {s.get('failed', 0)} failed" + (
+            f" ({choices} of them design choices)" if choices else "") + f", {s.get('not_supported', 0)} n/s"
         for key in ("crashed", "not_run"):  # older reports have neither
             if s.get(key):
                 total += f", {s[key]} {key.replace('_', ' ')}"
         totals.append(total)
-    lines.append("| | **total** | " + " | ".join(totals) + " |")
+    lines.append("| | **total** | | " + " | ".join(totals) + " |")
     if any(r.get("crashes") or r.get("not_started") for r in reports):
-        lines.append("| | server stopped serving | " + " | ".join(_stops(r) for r in reports) + " |")
+        lines.append("| | server stopped serving | | " + " | ".join(_stops(r) for r in reports) + " |")
     if any("duration_s" in r for r in reports):
-        lines.append("| | run took | " + " | ".join(_minutes(r.get("duration_s")) for r in reports) + " |")
+        lines.append("| | run took | | " + " | ".join(_minutes(r.get("duration_s")) for r in reports) + " |")
     out = "\n".join(lines)
     if notes:
         out += "\n\n" + "\n".join(

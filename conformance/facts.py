@@ -46,6 +46,10 @@ FACTS: dict[str, str] = {
     "prefix_hits": "a counter of prompt tokens served from the prefix cache on /metrics (prefix_cache_hit_tokens_total)",
     "step_tokens": "a histogram of tokens fed per step on /metrics (engine_step_tokens)",
     "cached_tokens": "usage.prompt_tokens_details.cached_tokens in answers",
+    "ignore_eos": "whether the server takes ignore_eos (an extension: generation goes on past end-of-sequence), "
+                  "sent only where it does",
+    "long_requests": "what keeps a request going to its max_tokens where a clause needs it to: ignore_eos where "
+                     "the server takes it, else OpenAI's logit_bias where that holds, else nothing",
 }
 INT_FACTS = ("rows", "positions", "block_size", "token_budget", "idle_token_budget")
 RESERVATIONS = ("per_block", "per_slot", "on_demand")
@@ -85,7 +89,7 @@ def parse_value(name: str, raw: Any) -> Any:
         return value
     if name == "reservation" and raw not in RESERVATIONS:
         raise FactsError(f"fact reservation must be one of {', '.join(RESERVATIONS)}, got {raw!r}")
-    if name in ("kind", "reservation"):
+    if name in ("kind", "reservation", "long_requests"):
         return str(raw)
     if isinstance(raw, str):
         return raw.lower() not in ("0", "false", "no", "off", "")
@@ -141,7 +145,8 @@ class Facts:
     missing: dict[str, str] = field(default_factory=dict)  # asked for, not had: why
     dialect: str = "poot"
     _measure: dict[str, Any] = field(default_factory=dict)  # name -> callable measuring it
-    _lock: threading.Lock = field(default_factory=threading.Lock)
+    # re-entrant: measuring one fact may ask for others (rows needs positions and ignore_eos)
+    _lock: threading.RLock = field(default_factory=threading.RLock)
 
     # -- discovery -------------------------------------------------------------------------
     @classmethod
@@ -222,6 +227,12 @@ class Facts:
                 and isinstance(details.get("cached_tokens"), int):
             self.known["cached_tokens"] = Fact("cached_tokens", True, "usage.prompt_tokens_details in an answer")
 
+    def note(self, name: str, value: Any, source: str) -> None:
+        """A fact the suite found out by itself on the way (a probe's answer), reported as used."""
+        with self._lock:
+            fact = self.known.setdefault(name, Fact(name, value, source))
+        self.used[name] = fact
+
     def measure_with(self, name: str, how) -> None:
         """Registers how to measure `name` from outside when nothing else gives it."""
         self._measure[name] = how
@@ -239,6 +250,8 @@ class Facts:
         """A fact's value if it can be had (measuring it if need be), else `default`; no failure."""
         with self._lock:
             fact = self._get(name)
+        if fact is not None and fact.value is False:
+            self.used[name] = fact  # a fact had, false (a capability the server lacks): reported too
         if fact is None or fact.value in (None, False):
             return default
         self.used[name] = fact

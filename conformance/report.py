@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 from itertools import groupby
 from xml.etree import ElementTree as ET
 
-from .clauses import Clause
+from .clauses import SOURCES, Clause
 from .outcomes import Outcome, summary_result
 
 MARKS = {Outcome.PASSED: "ok", Outcome.FAILED: "FAIL", Outcome.NOT_SUPPORTED: "n/s", Outcome.NOT_RUN: "n/r",
@@ -70,6 +70,39 @@ class RunReport:
                 "not_run": self.count(Outcome.NOT_RUN), "server_crashes": len(self.crashes),
                 "server_started": not self.not_started}
 
+    def failures_by_kind(self) -> tuple[list[ClauseResult], list[ClauseResult]]:
+        """Failed clauses split in two: those checking one of the reference design's own choices
+        (another server may differ there by design), and every other failure (a requirement of
+        OpenAI's API, the SSE format, serving practice, an extension, or the design's own that is
+        no mere choice)."""
+        failed = [r for r in self.results if r.outcome is Outcome.FAILED]
+        return [r for r in failed if r.clause.design_choice], [r for r in failed if not r.clause.design_choice]
+
+    def by_source(self) -> dict[str, dict[str, int]]:
+        """Outcome counts per source of the requirement (see clauses.SOURCES)."""
+        out: dict[str, dict[str, int]] = {}
+        for r in self.results:
+            counts = out.setdefault(r.clause.source, {})
+            counts[r.outcome.value] = counts.get(r.outcome.value, 0) + 1
+        return {source: out[source] for source in SOURCES if source in out}
+
+    def departures_line(self) -> str:
+        """One line telling departures from the reference design's choices from the other failures."""
+        choices, others = self.failures_by_kind()
+        if not choices and not others:
+            return "No clause failed."
+        line = (f"Of {len(choices) + len(others)} failed clauses, {len(choices)} check the reference design's own "
+                "choices (a server may differ there by design)")
+        if choices:
+            line += f": {', '.join(r.clause.id for r in choices)}"
+        sources = {}
+        for r in others:
+            sources[r.clause.source] = sources.get(r.clause.source, 0) + 1
+        line += f"; {len(others)} fail other requirements"
+        if sources:
+            line += " (" + ", ".join(f"{SOURCES[k].split(' (')[0]}: {n}" for k, n in sources.items()) + ")"
+        return line + "."
+
     def summary_line(self) -> str:
         s = self.summary()
         line = f"{s['clauses']} clauses, {s['passed']} passed, {s['not_supported']} not supported, {s['failed']} failed"
@@ -95,7 +128,8 @@ def to_terminal(report: RunReport) -> str:
         for group, members in groupby(results, key=lambda r: r.clause.group):
             lines.append(f"  {group.split('/', 1)[1] if '/' in group else group}")
             for r in members:
-                lines.append(f"    [{MARKS[r.outcome]:>4}] {r.clause.id}  {r.clause.title}")
+                choice = "  (design choice)" if r.clause.design_choice else ""
+                lines.append(f"    [{MARKS[r.outcome]:>4}] {r.clause.id}  {r.clause.title}{choice}")
                 if r.outcome is not Outcome.PASSED and r.why:
                     lines.append(f"           {_one_line(r.why, 200)}")
     failed = [r for r in report.results if r.outcome in FAILING]
@@ -104,6 +138,9 @@ def to_terminal(report: RunReport) -> str:
         for r in failed:
             lines.append(f"  {r.clause.id}  {r.clause.title}" + ("  (the server crashed)" if r.outcome is Outcome.CRASHED else ""))
             lines.append(f"    requirement: {r.clause.requirement}")
+            lines.append(f"    source:      {SOURCES[r.clause.source]}")
+            if r.clause.design_choice:
+                lines.append(f"    design choice: {r.clause.design_choice}")
             lines.append(f"    observed:    {_one_line(r.why, 1200)}")
             lines.append(f"    tests:       {', '.join(r.tests)}")
             lines.append("")
@@ -113,7 +150,7 @@ def to_terminal(report: RunReport) -> str:
                   else f"  {name}: not had ({f['source']})" for name, f in report.facts.items()]
     if report.expectations is not None:
         lines += ["", report.expectations.describe()]
-    lines += ["", report.summary_line()]
+    lines += ["", report.departures_line(), report.summary_line()]
     return "\n".join(lines)
 
 
@@ -126,6 +163,10 @@ def to_json(report: RunReport) -> str:
         "started": report.started,
         "duration_s": round(report.duration, 3),
         "summary": report.summary(),
+        "failed_design_choices": [r.clause.id for r in report.failures_by_kind()[0]],
+        "failed_other": [r.clause.id for r in report.failures_by_kind()[1]],
+        "by_source": report.by_source(),
+        "sources": SOURCES,
         "not_started": report.not_started or None,
         "crashes": report.crashes,
         "facts": report.facts,
@@ -183,9 +224,11 @@ def to_markdown(report: RunReport) -> str:
         results = list(results)
         counts = [sum(r.outcome is o for r in results) for o in outcomes]
         lines.append(f"| {area} | " + " | ".join(map(str, counts)) + " |")
-    lines += ["", "| clause | title | level | profile | outcome | why |", "|---|---|---|---|---|---|"]
+    lines += ["", report.departures_line(), "",
+              "| clause | title | level | profile | source | outcome | why |", "|---|---|---|---|---|---|---|"]
     for r in report.results:
-        lines.append(f"| `{r.clause.id}` | {_md(r.clause.title)} | {r.clause.level} | {r.clause.profile} "
+        source = "design choice" if r.clause.design_choice else r.clause.source
+        lines.append(f"| `{r.clause.id}` | {_md(r.clause.title)} | {r.clause.level} | {r.clause.profile} | {source} "
                      f"| {r.outcome.label} | {_md(r.why)} |")
     if report.facts:
         lines += ["", "| fact | value | source |", "|---|---|---|"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import random
-import select
+import selectors
 import string
 import threading
 import time
@@ -103,7 +103,10 @@ class RawStream:
 
 
 class Mux:
-    """Reads several raw streams in one thread, recording when each first sends data and ends."""
+    """Reads several raw streams in one thread, recording when each first sends data and ends.
+
+    What arrives is looked at in its new bytes only (a marker split by a read is found with a
+    few bytes of the read before), so hundreds of long streams cost the client little."""
 
     def __init__(self, streams: list[RawStream]):
         self.streams = streams
@@ -115,35 +118,49 @@ class Mux:
         that keeps streaming is waited for, a stalled one is not."""
         started = moved = time.monotonic()
         open_ = {s.request.sock: i for i, s in enumerate(self.streams) if not s.request.closed and s.finished is None}
-        while open_ and not (until and until(self)):
-            now = time.monotonic()
-            if now - moved > timeout:
-                raise ServerError(f"streams still open after {now - started:.0f}s, none sending anything for "
-                                  f"{timeout:.0f}s")
-            if now - started > most:
-                raise ServerError(f"streams still open after {most:.0f}s")
-            ready, _, _ = select.select(list(open_), [], [], min(timeout - (now - moved), 0.5))
-            now = time.monotonic()
-            for sock in ready:
-                i = open_[sock]
-                stream = self.streams[i]
-                try:
-                    data = sock.recv(65536)
-                except OSError:
-                    data = b""
-                if data:
-                    moved = now
-                stream.request.received += data
-                if stream.first_data is None and b"data:" in stream.body:
-                    stream.first_data = now
-                    self.order.append((now, i, "data"))
-                if not data or b"[DONE]" in stream.body:
-                    stream.finished = now
-                    self.order.append((now, i, "end"))
-                    del open_[sock]
+        with selectors.DefaultSelector() as selector:
+            for sock in open_:
+                selector.register(sock, selectors.EVENT_READ)
+            while open_ and not (until and until(self)):
+                now = time.monotonic()
+                if now - moved > timeout:
+                    raise ServerError(f"streams still open after {now - started:.0f}s, none sending anything for "
+                                      f"{timeout:.0f}s")
+                if now - started > most:
+                    raise ServerError(f"streams still open after {most:.0f}s")
+                ready = selector.select(min(timeout - (now - moved), 0.5))
+                now = time.monotonic()
+                for key, _ in ready:
+                    sock = key.fileobj
+                    i = open_[sock]
+                    stream = self.streams[i]
+                    try:
+                        data = sock.recv(65536)
+                    except OSError:
+                        data = b""
+                    if data:
+                        moved = now
+                    seen = len(stream.request.received)
+                    stream.request.received += data
+                    tail = stream.request.received[max(0, seen - 8):]
+                    if stream.first_data is None and b"data:" in tail and b"data:" in stream.body:
+                        stream.first_data = now
+                        self.order.append((now, i, "data"))
+                    if not data or b"[DONE]" in tail:
+                        stream.finished = now
+                        self.order.append((now, i, "end"))
+                        del open_[sock]
+                        selector.unregister(sock)
 
-    def first_data_order(self, indices: list[int]) -> list[int]:
-        return [i for _, i, kind in self.order if kind == "data" and i in indices]
+
+def drain(streams: list[RawStream]) -> list[int]:
+    """Reads whatever every stream's server has sent by now, then counts each one's events
+    (data lines, [DONE] aside): how far each had got at one moment, whatever the client's
+    own lag, which delays the reading but not what the server had sent before it."""
+    for s in streams:
+        if not s.request.closed:
+            s.request.read_available()
+    return [s.request.received.count(b"data:") - s.request.received.count(b"[DONE]") for s in streams]
 
 
 # Known answers: models whose greedy output for one prompt is known to end by itself (EOS)
@@ -155,22 +172,77 @@ KNOWN_EOS: dict[str, tuple[str, dict, int]] = {
 }
 
 
+# A token id every vocabulary the suite meets holds (byte-level ones included). A logit bias of
+# +100 on it makes a greedy request repeat it: no end-of-sequence can win against it, so with
+# OpenAI's own logit_bias a request runs to its max_tokens where the server takes no ignore_eos.
+BIASED_TOKEN = 65
+
+
+def refusal_names(status: int | None, text: str, field_name: str) -> bool:
+    """Whether an answer refuses a request field by name: a 4xx other than the ones about the
+    key, the path or the rate (401, 403, 404, 429) whose body names the field."""
+    return status is not None and 400 <= status < 500 and status not in (401, 403, 404, 429) \
+        and field_name in text
+
+
 @dataclass
 class Probes:
-    """Facts about the target found once per session: what keeps a request running, EOS prompts."""
+    """Facts about the target found once per session: what keeps a request running, EOS prompts.
+
+    Requests of clauses not about an extension carry only fields of OpenAI's API; an extension
+    (ignore_eos) is sent only once a probe showed the server takes it (or a fact says so)."""
 
     client: Client
     _long_extra: dict | None = None
+    _takes: bool | None = None  # whether the server takes ignore_eos, where no facts layer keeps it
     _eos: tuple[str, dict] | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
+    def __post_init__(self) -> None:
+        if self.client.facts is not None:  # an extension: probed before it is sent, unless given
+            self.client.facts.measure_with("ignore_eos", self.takes_ignore_eos)
+
+    def takes_ignore_eos(self) -> tuple[bool, str]:
+        """Whether the server takes ignore_eos, and what the probe saw (a fact: `ignore_eos`)."""
+        r = self.client.post("/v1/completions", self.client.body("probe", max_tokens=1, ignore_eos=True))
+        if r.status_code == 200:
+            return True, "a request with ignore_eos answered 200"
+        return False, f"a request with ignore_eos answered {r.status_code}: {r.text[:120]}"
+
+    def ignore_eos(self) -> dict:
+        """{"ignore_eos": True} where the server takes it, else nothing: for requests whose
+        text a clause compares, which a logit bias would change."""
+        facts = self.client.facts
+        if facts is not None:
+            return {"ignore_eos": True} if facts.get("ignore_eos") else {}
+        with self._lock:
+            if self._takes is None:
+                self._takes = self.takes_ignore_eos()[0]
+        return {"ignore_eos": True} if self._takes else {}
+
     def long_extra(self) -> dict:
-        """Body fields that keep generation from ending early: ignore_eos when the server takes it."""
+        """Body fields that keep generation from ending early: ignore_eos where the server
+        takes it; else OpenAI's logit_bias, +100 on one token, where that holds a request to
+        its max_tokens; else nothing (such a request may end by itself)."""
         with self._lock:
             if self._long_extra is None:
-                r = self.client.post("/v1/completions", self.client.body("probe", max_tokens=1, ignore_eos=True))
-                self._long_extra = {"ignore_eos": True} if r.status_code == 200 else {}
+                self._long_extra = self.ignore_eos() or self._bias_holds()
+                if self.client.facts is not None:
+                    how = ("ignore_eos" if "ignore_eos" in self._long_extra
+                           else f"logit_bias +100 on token {BIASED_TOKEN}" if self._long_extra
+                           else "nothing: such requests may end by themselves")
+                    self.client.facts.note("long_requests", how, "probed: what the server takes")
             return dict(self._long_extra)
+
+    def _bias_holds(self) -> dict:
+        bias = {"logit_bias": {str(BIASED_TOKEN): 100}}
+        r = self.client.post("/v1/completions", self.client.body("probe", max_tokens=16, temperature=0, **bias))
+        try:
+            answer = r.json() if r.status_code == 200 else {}
+            ran = answer["usage"]["completion_tokens"] == 16 and answer["choices"][0]["finish_reason"] == "length"
+        except (ValueError, KeyError, IndexError, TypeError):
+            ran = False
+        return bias if ran else {}
 
     def long_params(self, max_tokens: int) -> dict:
         return {"max_tokens": max_tokens, "temperature": 0, **self.long_extra()}
@@ -179,10 +251,15 @@ class Probes:
         """max_tokens for a request that decodes about `seconds` on this server as it runs now,
         within [least, most]: for requests a server may run on to their end after a hang-up,
         long enough to tell a release from an end on a fast server, short enough on a slow
-        one. Timed on a short greedy request, overhead included, so it errs short."""
+        one. Timed on a short greedy request, overhead included, so it errs short. A server
+        that does not serve the timing request gets `least`: the clause then says what it sees
+        of that server."""
         n = 16
         started = time.monotonic()
-        self.client.complete(unique_text(16), **self.long_params(n))
+        try:
+            self.client.complete(unique_text(16), **self.long_params(n))
+        except ServerError:
+            return max(1, min(most, least))
         per_token = max(1e-6, (time.monotonic() - started) / n)
         return max(least, min(most, int(seconds / per_token)))
 

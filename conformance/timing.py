@@ -1,8 +1,8 @@
 """Facts measured from outside, by timing alone: for a server that publishes no plan and no
 /metrics, only the OpenAI API.
 
-- how many requests run at once (rows): open many long streams together; the ones that send
-  a first token before a quiet spell run, the rest are queued;
+- how many requests run at once (rows): open many long streams together, and more while every
+  one runs; the ones that send a first token before a quiet spell run, the rest are queued;
 - whether concurrent requests share steps: K requests of N tokens at once take about as long as
   one when they share steps, and about K times as long when the server runs one at a time;
 - whether a closed stream frees its row: with every row taken and one request queued, hang up
@@ -21,36 +21,99 @@ from .client import Client, ServerError
 from .outcomes import NotSupported
 from .scenarios import Mux, Probes, RawStream, unique_text
 
-MOST_STREAMS = 48  # rows beyond this are not measured: give them as a fact
-QUIET_S = 1.5  # no new first token for this long: the streams still silent are queued
+FIRST_STREAMS = 48  # streams opened at first; while every one runs, as many more again
+MOST_STREAMS = 512  # the most opened at once, within the client's sockets (and the KV, where published)
+QUIET_S = 1.5  # no new first token for this long (or QUIET_STEPS token gaps): the silent streams are queued
+QUIET_STEPS = 10
+MEASURE_S = 8.0  # each stream is sized to decode about this long alone: it outlives the measurement
 
 
-def measure_rows(client: Client, probes: Probes, max_tokens: int = 200) -> tuple[int, str]:
-    """Requests that run at once: of MOST_STREAMS streams opened together, those whose first
-    token comes before a quiet spell of QUIET_S seconds."""
-    streams = [RawStream.open(client, unique_text(16), **probes.long_params(max_tokens)) for _ in range(MOST_STREAMS)]
+def stream_bound(client: Client, per_stream: int) -> tuple[int, str]:
+    """The most streams of `per_stream` tokens (prompt and max_tokens) worth opening at once,
+    and why: the client's sockets, and the KV pool where the server publishes it (more than
+    it holds cannot run together, whatever the rows)."""
+    most, why = MOST_STREAMS, f"the suite opens at most {MOST_STREAMS}"
     try:
-        mux = Mux(streams)
-        last = [time.monotonic()]
+        import resource
 
-        def quiet(m: Mux) -> bool:
-            started = sum(s.first_data is not None for s in m.streams)
-            if m.order:
-                last[0] = max(last[0], m.order[-1][0])
-            return started == len(m.streams) or (started > 0 and time.monotonic() - last[0] > QUIET_S)
+        sockets = resource.getrlimit(resource.RLIMIT_NOFILE)[0] - 64
+        if 0 < sockets < most:
+            most, why = sockets, f"the client may open {sockets} sockets"
+    except (ImportError, ValueError, OSError):
+        pass
+    facts = client.facts
+    if facts is not None and facts.has("kv_blocks") and facts.get("block_size"):
+        try:
+            capacity = int(client.metric("kv_blocks_total")) * int(facts.get("block_size"))
+        except (AssertionError, NotSupported):
+            capacity = 0
+        fit = capacity // max(1, per_stream) + 1  # one more than the pool holds, to see it wait
+        if 0 < fit < most:
+            most, why = fit, (f"a KV pool of {capacity} tokens holds {fit - 1} requests of {per_stream} tokens, "
+                              "so one more is the most worth opening")
+    return most, why
 
-        mux.run(until=quiet, timeout=60)
-        rows = sum(s.first_data is not None and (s.finished is None or s.finished > s.first_data) for s in streams)
-        early_end = [s for s in streams if s.finished is not None]
+
+def measure_rows(client: Client, probes: Probes) -> tuple[int, str]:
+    """Requests that run at once: long streams opened together, FIRST_STREAMS at first and, as
+    long as every one opened runs, as many more again (up to `stream_bound`); those whose
+    first token comes before a quiet spell run, the rest are queued. The streams are sized
+    to outlive the measurement, so no row frees up meanwhile, and are then read to their
+    ends rather than hung up on: a server that runs abandoned requests on (cancel/stream/1's
+    to judge) is left idle for the next clause all the same."""
+    facts = client.facts
+    positions = facts.get("positions") if facts is not None else None
+    prompt_chars = 16
+    max_tokens = probes.tokens_lasting(MEASURE_S, positions - 40 if positions else 1000, least=200)
+    most, why = stream_bound(client, max_tokens + prompt_chars)
+    streams: list[RawStream] = []
+    try:
+        while True:
+            opened = time.monotonic()
+            streams += [RawStream.open(client, unique_text(prompt_chars), **probes.long_params(max_tokens))
+                        for _ in range(min(max(FIRST_STREAMS, len(streams)), most - len(streams)))]
+            Mux(streams).run(until=lambda m, t=opened: _settled(m, t), timeout=60)
+            started = [s for s in streams if s.first_data is not None]
+            refused = [s for s in streams if s.first_data is None and s.finished is not None]
+            if not started and refused:
+                raise NotSupported(f"streams of {max_tokens} tokens were refused (status {refused[0].request.status}): "
+                                   f"{refused[0].body[:160]!r}; rows could not be measured")
+            if any(s.finished is not None for s in started):
+                raise NotSupported(f"streams of {max_tokens} tokens ended while rows were measured (a row freed up); "
+                                   "rows could not be measured")
+            if len(started) < len(streams) or len(streams) >= most:  # some queued (or refused): the rows are found
+                break
+        Mux(streams).run(timeout=60)
     finally:
         for s in streams:
             s.close()
-    if rows >= MOST_STREAMS:
-        raise NotSupported(f"all {MOST_STREAMS} streams opened at once ran together; the server's rows could not "
-                           "be measured")
-    if early_end and len(early_end) >= rows:
-        raise NotSupported(f"streams of {max_tokens} tokens ended before the quiet spell; rows could not be measured")
-    return rows, f"{rows} of {MOST_STREAMS} streams opened at once sent a first token before {QUIET_S} s of quiet"
+    rows = len(started)
+    if rows == len(streams):
+        raise NotSupported(f"all {len(streams)} streams opened at once ran together ({why}); the server's rows "
+                           "could not be measured: give them with --fact rows=N")
+    how = f"{rows} of {len(streams)} streams opened at once sent a first token before a quiet spell"
+    if len(streams) > FIRST_STREAMS:
+        how += f" (opened {FIRST_STREAMS} at first, more while every one ran; at most {most}: {why})"
+    if refused:
+        how += f"; {len(refused)} were refused (status {refused[0].request.status}) rather than queued"
+    return rows, how
+
+
+def _settled(mux: Mux, opened: float) -> bool:
+    """Every stream started, or none started for a quiet spell: QUIET_S, or QUIET_STEPS token
+    gaps of the first stream that started where the server steps slower than that."""
+    pending = [s for s in mux.streams if s.first_data is None and s.finished is None]
+    if not pending:
+        return True
+    firsts = [s.first_data for s in mux.streams if s.first_data is not None]
+    last = max([opened, *firsts])
+    quiet = QUIET_S
+    if firsts:
+        lead = min((s for s in mux.streams if s.first_data is not None), key=lambda s: s.first_data)
+        events = lead.request.received.count(b"data:")
+        if events > 1:
+            quiet = max(QUIET_S, QUIET_STEPS * (time.monotonic() - lead.first_data) / (events - 1))
+    return time.monotonic() - last > quiet
 
 
 def _timed(client: Client, probes: Probes, k: int, n: int) -> float:

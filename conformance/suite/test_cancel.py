@@ -26,6 +26,7 @@ clause = pytest.mark.clause
 # for about this long alone: on a fast server it is capped by the positions, on a slow one it
 # keeps what a departure leaves running short.
 LEFT_RUNNING_S = 20.0
+OPEN_STEPS = 8  # engine steps within which a request that fits must have been opened
 
 
 def finished(client: Client, reason: str) -> float | None:
@@ -247,10 +248,12 @@ def whole_pool_still_fits(client: Client, probes: Probes, when: str) -> None:
     try:
         snap = client.wait_until(lambda m: m.get("engine_requests_running", 0) + m.get("engine_requests_waiting", 0)
                                  >= count, 10, f"{count} requests accepted")
-        deadline = time.monotonic() + 2
-        while snap.get("engine_requests_running", 0) < count and time.monotonic() < deadline:
-            time.sleep(0.01)
-            snap = client.metrics()
+        # Judged on the engine's own clock: a request that fits is opened at the next step, so
+        # one still waiting after OPEN_STEPS steps (the others decode meanwhile) finds no room.
+        accepted = snap.get("engine_steps_total", 0)
+        snap = client.wait_until(lambda m: m.get("engine_requests_running", 0) >= count
+                                 or m.get("engine_steps_total", 0) - accepted >= OPEN_STEPS, 30,
+                                 f"{count} requests running, or {OPEN_STEPS} engine steps")
         assert snap.get("engine_requests_running") == count, \
             (f"{when}, {count} requests reserving all {total:.0f} KV blocks could not run at once: "
              f"{snap.get('engine_requests_running'):.0f} running, {snap.get('engine_requests_waiting'):.0f} waiting "

@@ -22,8 +22,10 @@ def test_batch_changes_compile_nothing(client: Client, probes: Probes, idle):
     before = client.metric("engine_compiles")
     shapes = [(1, 20, 8), (2, 40, 16), (3, 300, 4), (rows // 2 + 1, 64, 40), (1, 8, 1)]
     for count, chars, max_tokens in shapes:
+        # prompts and lengths vary within each batch, by at most 16 steps whatever the rows
         with ThreadPoolExecutor(count) as pool:
-            list(pool.map(lambda i, c=chars, m=max_tokens: client.complete(unique_text(c + 5 * i), **probes.long_params(m + i)),
+            list(pool.map(lambda i, c=chars, m=max_tokens: client.complete(unique_text(c + 5 * (i % 16)),
+                                                                           **probes.long_params(m + i % 16)),
                           range(count)))
     # Every row at once. The fillers are long, so the first still runs when the last opens
     # however slowly they open; the engine takes a few steps with all of them, then they hang up.

@@ -21,12 +21,15 @@ def test_greedy_output_does_not_depend_on_load(client: Client, probes: Probes):
     per batch size) show up only over many tokens and large batches."""
     rows = (client.facts.get("rows") if client.facts is not None else None) or 16
     prompts = [unique_text(n) for n in (12, 30, 70, 110, 150, 20)]
-    alone = [client.complete(p, **probes.long_params(96))["choices"][0]["text"] for p in prompts]
+    # The compared texts are the model's own (no logit bias to keep them going: ignore_eos
+    # where the server takes it, else they may end by themselves, the same way alone and loud).
+    compared = {"max_tokens": 96, "temperature": 0, **probes.ignore_eos()}
+    alone = [client.complete(p, **compared)["choices"][0]["text"] for p in prompts]
     noise = [unique_text(5 + 37 * i % 200) for i in range(max(8, rows - len(prompts)))]
     with ThreadPoolExecutor(len(prompts) + len(noise)) as pool:
         for i, p in enumerate(noise):  # first, and longer, so they run through the whole batch
             pool.submit(client.complete, p, **probes.long_params(120 + i % 7))
-        loud = [pool.submit(client.complete, p, **probes.long_params(96)) for p in prompts]
+        loud = [pool.submit(client.complete, p, **compared) for p in prompts]
         together = [f.result()["choices"][0]["text"] for f in loud]
     for p, a, b in zip(prompts, alone, together, strict=True):
         assert a == b, f"prompt {p[:20]!r}...: alone {a!r}, under load {b!r}"

@@ -10,10 +10,11 @@ import httpx
 import pytest
 
 from poot.conformance.client import Client, auth_headers
-from poot.conformance.scenarios import Mux, RawStream, unique_text
+from poot.conformance.scenarios import Mux, Probes, RawStream, unique_text
 
 clause = pytest.mark.clause
-MAX_TOKENS = 400
+MAX_TOKENS = 400  # the fewest tokens the stream in flight asks for
+IN_FLIGHT_S = 5.0  # it is sized to decode about this long alone, so it outlives the drain's first probes
 
 
 @dataclass
@@ -21,6 +22,7 @@ class Drain:
     """What the shutdown scenario saw. Each step is recorded even when a later one goes wrong,
     so every clause is judged on the evidence it needs, and one that has none says why."""
 
+    max_tokens: int = MAX_TOKENS  # of the stream in flight
     health: list[tuple[int | None, dict]] = field(default_factory=list)  # answers while the stream ran
     new_request: int | str | None = None  # status of a request sent while draining, or "refused"
     finish_reason: str | None = None
@@ -31,13 +33,17 @@ class Drain:
     stream_ended_before_poll: bool = False
 
 
-def run_drain(spawn, timeout: float) -> Drain:
+def run_drain(spawn, timeout: float, probes: Probes) -> Drain:
+    positions = probes.client.facts.get("positions") if probes.client.facts is not None else None
+    # Sized by the pace of the shared server (started from the same command): on a fast one a
+    # stream of a few hundred tokens would end before /health is asked, whatever the drain.
+    drain = Drain(max_tokens=probes.tokens_lasting(IN_FLIGHT_S, max(MAX_TOKENS, (positions or 1040) - 40),
+                                                   least=MAX_TOKENS))
     server = spawn()
     server.wait_healthy(timeout)
     client = Client(server.url)
-    drain = Drain()
     try:
-        stream = RawStream.open(client, unique_text(16), max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+        stream = RawStream.open(client, unique_text(16), **probes.long_params(drain.max_tokens))
         Mux([stream]).run(until=lambda m: stream.first_data is not None, timeout=120)  # a fresh server, maybe slow
         server.signal(signal.SIGTERM)
         with httpx.Client(timeout=2.0, headers=auth_headers(client.api_key)) as probe:
@@ -92,10 +98,10 @@ def recorded() -> dict:
     return {}
 
 
-def drained(spawn, target, recorded) -> Drain:
+def drained(spawn, target, recorded, probes: Probes) -> Drain:
     if "drain" not in recorded:
         try:
-            recorded["drain"] = run_drain(spawn, target.options.getoption("poot_startup_timeout"))
+            recorded["drain"] = run_drain(spawn, target.options.getoption("poot_startup_timeout"), probes)
         except BaseException as e:  # noqa: BLE001 - replayed to every clause of the scenario
             recorded["drain"] = e
     got = recorded["drain"]
@@ -105,16 +111,16 @@ def drained(spawn, target, recorded) -> Drain:
 
 
 @clause("drain/health/1")
-def test_health_reports_draining(spawn, target, recorded):
-    d = drained(spawn, target, recorded)
-    assert d.health, f"the request ({MAX_TOKENS} tokens) ended before /health could be asked"
+def test_health_reports_draining(spawn, target, recorded, probes):
+    d = drained(spawn, target, recorded, probes)
+    assert d.health, f"the request ({d.max_tokens} tokens) ended before /health could be asked"
     wrong = [(s, b) for s, b in d.health if s != 503 or b.get("status") != "draining"]
     assert not wrong, f"while draining /health answered {wrong[0][0]} {wrong[0][1]!r}, expected 503 status 'draining'"
 
 
 @clause("drain/inflight/1")
-def test_in_flight_requests_finish(spawn, target, recorded):
-    d = drained(spawn, target, recorded)
+def test_in_flight_requests_finish(spawn, target, recorded, probes):
+    d = drained(spawn, target, recorded, probes)
     how = f" ({d.stream_error})" if d.stream_error else ""
     assert d.finish_reason == "length" and d.done, \
         (f"the stream in flight at shutdown ended with finish_reason {d.finish_reason!r} (done: {d.done}){how}, "
@@ -122,14 +128,14 @@ def test_in_flight_requests_finish(spawn, target, recorded):
 
 
 @clause("drain/refuse/1")
-def test_new_requests_are_turned_away(spawn, target, recorded):
-    d = drained(spawn, target, recorded)
+def test_new_requests_are_turned_away(spawn, target, recorded, probes):
+    d = drained(spawn, target, recorded, probes)
     assert d.new_request in (503, "refused"), f"a new request while draining answered {d.new_request}, expected 503"
 
 
 @clause("drain/exit/1")
-def test_process_exits_once_drained(spawn, target, recorded):
-    d = drained(spawn, target, recorded)
+def test_process_exits_once_drained(spawn, target, recorded, probes):
+    d = drained(spawn, target, recorded, probes)
     if d.exit_code is None:
         raise AssertionError(f"the server was still running {d.exit_wait:.0f} s after its in-flight stream ended, "
                              "expected it to exit 0 once drained")

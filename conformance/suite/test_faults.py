@@ -16,6 +16,15 @@ clause = pytest.mark.clause
 # A server the clause starts itself may be slow to send its first tokens on a busy machine: the
 # wait lasts while nothing at all arrives for this long.
 STALL_S = 120.0
+# A request that must still run when a fault is injected is sized to decode about this long
+# alone (at most the positions): on a fast server a few hundred tokens end before the client
+# gets to inject the fault.
+IN_FLIGHT_S = 10.0
+
+
+def in_flight_tokens(client: Client, probes: Probes, least: int) -> int:
+    positions = client.facts.get("positions") if client.facts is not None else None
+    return probes.tokens_lasting(IN_FLIGHT_S, max(least, (positions or 1040) - 40), least=least)
 
 
 def ended_in_error(stream: RawStream) -> bool:
@@ -55,7 +64,7 @@ def test_refused_step_fails_only_its_requests(client: Client, probes: Probes, id
 @clause("faults/refuse/2")
 @pytest.mark.disruptive
 def test_serving_goes_on_after_a_refused_step(client: Client, probes: Probes):
-    stream = RawStream.open(client, unique_text(16), **probes.long_params(200))
+    stream = RawStream.open(client, unique_text(16), **probes.long_params(in_flight_tokens(client, probes, 200)))
     try:
         Mux([stream]).run(until=lambda m: stream.first_data is not None, timeout=30)
         client.fault("refuse")
@@ -91,13 +100,13 @@ class Death:
     held_after: dict | None = None  # the same once /health says dead; None without /metrics
 
 
-def kill_engine(spawn, kind: str, startup_timeout: float) -> Death:
+def kill_engine(spawn, kind: str, startup_timeout: float, probes: Probes) -> Death:
+    max_tokens = in_flight_tokens(probes.client, probes, 300)
     server = spawn()
     server.wait_healthy(startup_timeout)
     client = Client(server.url)
     try:
-        streams = [RawStream.open(client, unique_text(16), max_tokens=300, temperature=0, ignore_eos=True)
-                   for _ in range(3)]
+        streams = [RawStream.open(client, unique_text(16), **probes.long_params(max_tokens)) for _ in range(3)]
         Mux(streams).run(until=lambda m: all(s.first_data is not None for s in streams), timeout=STALL_S)
         before = held(client)
         client.fault(kind)
@@ -141,11 +150,11 @@ def deaths() -> dict[str, Death | BaseException]:
     return {}
 
 
-def death_by(kind: str, spawn, deaths, target) -> Death:
+def death_by(kind: str, spawn, deaths, target, probes: Probes) -> Death:
     if kind not in deaths:
         try:
             target.client.need_fault_injection()
-            deaths[kind] = kill_engine(spawn, kind, target.options.getoption("poot_startup_timeout"))
+            deaths[kind] = kill_engine(spawn, kind, target.options.getoption("poot_startup_timeout"), probes)
         except BaseException as e:  # noqa: BLE001 - replayed to each clause that needs the scenario
             deaths[kind] = e
     got = deaths[kind]
@@ -164,18 +173,18 @@ def check_dead(death: Death, cause: str) -> None:
 
 
 @clause("faults/dead/1")
-def test_half_applied_step_kills_the_engine(spawn, deaths, target):
-    check_dead(death_by("fault", spawn, deaths, target), "fault")
+def test_half_applied_step_kills_the_engine(spawn, deaths, target, probes):
+    check_dead(death_by("fault", spawn, deaths, target, probes), "fault")
 
 
 @clause("faults/dead/2")
-def test_panicked_engine_is_reported_dead(spawn, deaths, target):
-    check_dead(death_by("panic", spawn, deaths, target), "panicked")
+def test_panicked_engine_is_reported_dead(spawn, deaths, target, probes):
+    check_dead(death_by("panic", spawn, deaths, target, probes), "panicked")
 
 
 @clause("faults/dead/3")
-def test_dead_engine_turns_requests_away(spawn, deaths, target):
-    death = death_by("fault", spawn, deaths, target)
+def test_dead_engine_turns_requests_away(spawn, deaths, target, probes):
+    death = death_by("fault", spawn, deaths, target, probes)
     assert death.after_status is not None and 500 <= death.after_status < 600, \
         f"a request to a dead engine answered {death.after_status}, expected 5xx"
     assert isinstance(death.after_body.get("error"), dict), f"no error object: {death.after_body!r}"
@@ -183,8 +192,8 @@ def test_dead_engine_turns_requests_away(spawn, deaths, target):
 
 
 @clause("faults/dead/4")
-def test_half_applied_step_releases_nothing(spawn, deaths, target):
-    death = death_by("fault", spawn, deaths, target)
+def test_half_applied_step_releases_nothing(spawn, deaths, target, probes):
+    death = death_by("fault", spawn, deaths, target, probes)
     if death.held_before is None or death.held_after is None:
         raise NotSupported("what the engine holds is read from /metrics (kv_blocks_reserved, "
                            "engine_requests_running), which this server does not serve")

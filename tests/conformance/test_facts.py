@@ -6,12 +6,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import httpx
 import pytest
 
-from poot.conformance.facts import Facts, FactsError, command_option, read_given
+from poot.conformance.facts import Fact, Facts, FactsError, command_option, read_given
 from poot.conformance.outcomes import NotSupported
 
 CLI = [sys.executable, "-m", "poot.conformance.cli"]
@@ -125,3 +126,18 @@ def test_fault_clauses_start_no_server_where_there_is_no_fault_injection(tmp_pat
     assert len(got) == 6, r.stdout[-3000:]
     assert all(outcome == "not_supported" for outcome, _ in got.values()), got
     assert all("no fault injection" in why for cid, (_, why) in got.items() if cid.startswith("faults/dead")), got
+
+
+def test_measuring_a_fact_may_ask_for_others():
+    """rows is measured with requests that need positions and ignore_eos, asked for while
+    rows is being measured: the asking must not wait on the measuring."""
+    facts = Facts()
+    facts.known["positions"] = Fact("positions", 512, "given")
+    facts.measure_with("ignore_eos", lambda: (True, "probed"))
+    facts.measure_with("rows", lambda: (facts.get("positions") // 16 + bool(facts.get("ignore_eos")), "measured"))
+    done = threading.Event()
+    got = []
+    worker = threading.Thread(target=lambda: (got.append(facts.get("rows")), done.set()), daemon=True)
+    worker.start()
+    assert done.wait(10), "measuring rows waited for itself"
+    assert got == [33] and facts.report()["rows"]["value"] == 33

@@ -114,9 +114,11 @@ def test_compare_writes_a_matrix_of_clauses_by_servers(url, tmp_path):
     r = cli("compare", str(a), str(b), "--markdown", str(out))
     assert r.returncode == 0, r.stderr
     text = out.read_text()
-    assert "| clause | title | ours | theirs |" in text
+    assert "| clause | title | source | ours | theirs |" in text
     row = next(line for line in text.splitlines() if line.startswith("| `api/health/1`"))
-    assert "pass" in row and "**fail**" in row
+    assert "pass" in row and "**fail**" in row and "| design choice |" in row
+    total = next(line for line in text.splitlines() if "**total**" in line)
+    assert "1 failed (1 of them design choices)" in total, total
     took = next(line for line in text.splitlines() if "run took" in line)
     assert took.count(" s |") == 2, took  # each run's duration, in its column
     assert text == r.stdout

@@ -18,7 +18,15 @@ import sys
 from pathlib import Path
 
 import pytest
-from poot_mutants.registry import CRASH_AT_START, MUTANTS, REFUSES_LOGPROBS, SAMPLING, Mutant
+from poot_mutants.registry import (
+    CRASH_AT_START,
+    MUTANTS,
+    REFUSES_LOGPROBS,
+    REFUSES_UNKNOWN_FIELDS,
+    ROWS_200_UNPUBLISHED,
+    SAMPLING,
+    Mutant,
+)
 
 from poot.conformance.target import BUNDLED_MODEL, BUNDLED_RECURRENT_MODEL
 
@@ -99,6 +107,34 @@ def test_a_server_that_refuses_logprobs_is_not_supported_for_them(tmp_path):
         {cid: clauses[cid]["outcome"] for cid in refused}
     others = {cid: c["outcome"] for cid, c in clauses.items() if cid not in refused}
     assert set(others.values()) == {"passed"} and any(cid.startswith(SAMPLING) for cid in others), others
+    assert code == 0, tail
+
+
+def test_a_server_that_refuses_unknown_fields_is_not_supported_for_extensions_only(tmp_path):
+    """A server that refuses every field outside OpenAI's API with a 422 naming it: the
+    extension clauses are not supported, and the clauses whose requests must run to their
+    max_tokens (kept going with ignore_eos on the reference server) still pass, sent with
+    OpenAI's own fields: no other clause depends on an extension."""
+    clauses, code, tail = run_suite(REFUSES_UNKNOWN_FIELDS, tmp_path)
+    extensions = {cid for cid, c in clauses.items() if c["profile"] == "extensions"}
+    assert extensions == {"api/penalties/3", "api/ignore-eos/1"}, extensions
+    assert all(clauses[cid]["outcome"] == "not_supported" and "422" in clauses[cid]["why"] for cid in extensions), \
+        {cid: clauses[cid]["why"] for cid in extensions}
+    others = {cid: f"{c['outcome']}: {c['why'][:200]}" for cid, c in clauses.items() if cid not in extensions}
+    assert all(v.startswith("passed") for v in others.values()) and "drain/inflight/1" in others, others
+    facts = json.loads((tmp_path / "report.json").read_text())["facts"]
+    assert facts["ignore_eos"]["value"] is False and facts["long_requests"]["value"].startswith("logit_bias"), facts
+    assert code == 0, tail
+
+
+def test_a_server_with_more_rows_than_first_opened_has_them_measured(tmp_path):
+    """200 rows and no plan published: the rows are measured (more streams opened while every
+    one runs), and the clauses that need them get their verdicts on the measured count."""
+    clauses, code, tail = run_suite(ROWS_200_UNPUBLISHED, tmp_path)
+    rows = json.loads((tmp_path / "report.json").read_text())["facts"]["rows"]
+    assert rows["value"] == 200 and rows["source"].startswith("measured"), rows
+    outcomes = {cid: f"{c['outcome']}: {c['why'][:200]}" for cid, c in clauses.items()}
+    assert all(v.startswith("passed") for v in outcomes.values()) and "loop/admission/1" in outcomes, outcomes
     assert code == 0, tail
 
 

@@ -63,6 +63,32 @@ def test_terminal_listing_repeats_failures_and_ends_with_the_summary():
     assert text.rstrip().endswith("3 clauses, 1 passed, 1 not supported, 1 failed: failure")
 
 
+def test_failures_of_the_reference_designs_choices_are_counted_apart():
+    spec = load_spec()
+    report = RunReport([ClauseResult(spec["loop/reserve/1"], Outcome.FAILED, "kv_blocks_reserved fell to 1"),
+                        ClauseResult(spec["startup/plan/1"], Outcome.FAILED, "--max-num-seqs 3: started"),
+                        ClauseResult(spec["api/sse/1"], Outcome.FAILED, "no [DONE]"),
+                        ClauseResult(spec["api/errors/2"], Outcome.FAILED, "-> 500"),
+                        ClauseResult(spec["loop/admission/1"], Outcome.PASSED)], target="http://x")
+    line = report.departures_line()
+    assert line.startswith("Of 4 failed clauses, 2 check the reference design's own choices")
+    assert "loop/reserve/1, startup/plan/1" in line and "2 fail other requirements" in line
+    assert "OpenAI's API reference: 1" in line and "the server-sent events format: 1" in line
+    data = json.loads(to_json(report))
+    assert data["failed_design_choices"] == ["loop/reserve/1", "startup/plan/1"]
+    assert data["failed_other"] == ["api/sse/1", "api/errors/2"]
+    assert data["by_source"]["design"] == {"failed": 2, "passed": 1}
+    by_id = {c["id"]: c for c in data["clauses"]}
+    assert by_id["loop/reserve/1"]["source"] == "design" and "preempt" in by_id["loop/reserve/1"]["design_choice"]
+    assert by_id["api/sse/1"]["source"] == "sse" and by_id["api/sse/1"]["design_choice"] == ""
+    text = to_terminal(report)
+    assert "[FAIL] loop/reserve/1  Opening reserves room for the whole max_tokens  (design choice)" in text
+    assert "design choice: reserving the whole max_tokens" in text and line in text
+    md = to_markdown(report)
+    assert "| `loop/reserve/1` |" in md and "| design choice | failed |" in md and line in md
+    assert "| sse | failed |" in md
+
+
 CRASH = {"clause": "api/errors/2", "seen": "/health answered 503 {\"status\": \"dead\"}",
          "request": 'POST /v1/completions {"model": "m", "max_tokens": 4}', "answer": "500 {\"error\": {}}",
          "last_requests": [], "then": "the clauses after it were not run", "log": "Traceback ...\nRuntimeError: boom"}
@@ -132,9 +158,9 @@ def test_expectations_and_compare_know_the_new_outcomes(tmp_path):
     assert [c.clause for c in regression.regressions] == ["api/errors/2"]  # expected to pass, crashed
     assert [c.clause for c in regression.other] == ["api/errors/3"]
     table = compare.matrix([json.loads(to_json(crashed_run())), json.loads(to_json(sample()))], ["a", "b"])
-    assert "| `api/errors/2` | Invalid or missing parameters get 400 | **crashed** [1] | - |" in table
+    assert "| `api/errors/2` | Invalid or missing parameters get 400 | openai | **crashed** [1] | - |" in table
     assert "not run [2]" in table and "1 crashed, 1 not run" in table
-    assert "| | server stopped serving | 1x: `api/errors/2` | - |" in table
+    assert "| | server stopped serving | | 1x: `api/errors/2` | - |" in table
 
 
 def test_compare_gives_one_note_per_reason_of_a_server():

@@ -8,7 +8,7 @@ import pytest
 from poot_mutants import table
 from poot_mutants.registry import MUTANTS, PARTS
 
-from poot.conformance.clauses import PROFILES, SpecError, load_sources, load_spec, matches
+from poot.conformance.clauses import PROFILES, SOURCES, SpecError, load_sources, load_spec, matches
 
 README = Path(__file__).resolve().parents[2] / "conformance" / "README.md"
 
@@ -49,7 +49,7 @@ def test_prefix_selection_follows_segments():
 
 def test_bad_spec_file_is_refused(tmp_path):
     (tmp_path / "api.yaml").write_text(
-        "area: api\nclauses:\n  - {id: api/x/1, title: t, level: MUST, requirement: it should, observe: o, profile: core}\n")
+        "area: api\nclauses:\n  - {id: api/x/1, title: t, level: MUST, requirement: it should, observe: o, profile: core, source: openai}\n")
     with pytest.raises(SpecError, match="MUST"):
         load_spec(tmp_path)
 
@@ -74,3 +74,25 @@ def test_every_clause_has_a_mutation_that_breaks_it():
 def test_readme_mutation_table_is_generated_from_the_registry():
     text = README.read_text()
     assert table.rewritten(text) == text, "run: PYTHONPATH=tests python -m poot_mutants.table --write"
+
+
+def test_every_clause_names_its_source_and_design_choices_are_the_designs():
+    spec = load_spec()
+    assert {c.source for c in spec} <= set(SOURCES)
+    choices = {c.id for c in spec if c.design_choice}
+    # the reference design's own choices: reservation at open, no row option, /health, our metric names,
+    # a constant compile count
+    assert {"loop/reserve/1", "startup/plan/1", "startup/plan/2", "api/health/1", "metrics/names/1",
+            "prefix/metrics/1", "compile/constant/1"} <= choices
+    assert all(spec[c].source == "design" for c in choices)
+    assert {c.id for c in spec if c.profile == "extensions"} == {c.id for c in spec if c.source == "extension"}
+
+
+def test_a_clause_without_a_source_or_a_choice_of_another_source_is_refused(tmp_path):
+    clause = "{id: api/x/1, title: t, level: MUST, requirement: it MUST, observe: o, profile: core"
+    (tmp_path / "api.yaml").write_text(f"area: api\nclauses:\n  - {clause}}}\n")
+    with pytest.raises(SpecError, match="source"):
+        load_spec(tmp_path)
+    (tmp_path / "api.yaml").write_text(f"area: api\nclauses:\n  - {clause}, source: openai, design_choice: x}}\n")
+    with pytest.raises(SpecError, match="design_choice"):
+        load_spec(tmp_path)

@@ -239,3 +239,51 @@ refuses_logprobs = _rewrite(refuse=_asks_logprobs)
 
 def n_prefills_each_choice(app, state):
     return FanOut(app)
+
+
+ignore_eos_ignored = _rewrite(request=_without("ignore_eos"))
+
+
+# ---- a strict OpenAI server: not a defect ------------------------------------------------------
+
+# The request fields of OpenAI's API reference (the legacy completions endpoint, chat completions).
+OPENAI_COMPLETION_FIELDS = frozenset({
+    "model", "prompt", "best_of", "echo", "frequency_penalty", "logit_bias", "logprobs", "max_tokens", "n",
+    "presence_penalty", "seed", "stop", "stream", "stream_options", "suffix", "temperature", "top_p", "user"})
+OPENAI_CHAT_FIELDS = frozenset({
+    "model", "messages", "audio", "frequency_penalty", "function_call", "functions", "logit_bias", "logprobs",
+    "max_completion_tokens", "max_tokens", "metadata", "modalities", "n", "parallel_tool_calls", "prediction",
+    "presence_penalty", "prompt_cache_key", "reasoning_effort", "response_format", "safety_identifier", "seed",
+    "service_tier", "stop", "store", "stream", "stream_options", "temperature", "tool_choice", "tools",
+    "top_logprobs", "top_p", "user", "verbosity", "web_search_options"})
+OPENAI_FIELDS = {"/v1/completions": OPENAI_COMPLETION_FIELDS, "/v1/chat/completions": OPENAI_CHAT_FIELDS}
+
+
+class RefuseUnknownFields:
+    """Answers 422 naming them to requests with fields outside OpenAI's API, as servers built on
+    a strict request model do (extensions such as ignore_eos and stop_token_ids included)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        known = OPENAI_FIELDS.get(scope.get("path", "")) if scope["type"] == "http" else None
+        if known is None or scope["method"] != "POST":
+            return await self.app(scope, receive, send)
+        raw = await _read_body(receive)
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            body = None
+        unknown = sorted(set(body) - known) if isinstance(body, dict) else []
+        if not unknown:
+            return await self.app(scope, _replay(raw, receive), send)
+        out = json.dumps({"error": {"message": f"Unexpected fields in the request: {set(unknown)}",
+                                    "type": "invalid_request_error", "param": unknown[0], "code": None}}).encode()
+        await send({"type": "http.response.start", "status": 422,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(out)).encode())]})
+        await send({"type": "http.response.body", "body": out})
+
+
+def refuses_unknown_fields(app, state):
+    return RefuseUnknownFields(app)

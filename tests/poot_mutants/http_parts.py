@@ -134,7 +134,13 @@ def _ready(status, body):
     return status, body
 
 
+def _no_plan(status, body):
+    body.pop("plan", None)
+    return status, body
+
+
 HealthyWhenDead = json_defect("HealthyWhenDead", _health(_healthy_when_dead))
+NoPlanOnHealth = json_defect("NoPlanOnHealth", _health(_no_plan))  # not a defect: a plan unpublished
 PanicReportedAsFault = json_defect("PanicReportedAsFault", _health(_panic_as_fault))
 HealthStatusReady = json_defect("HealthStatusReady", _health(_ready))
 

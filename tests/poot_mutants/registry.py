@@ -240,6 +240,9 @@ MUTANTS: tuple[Mutant, ...] = (
       "after a prefix-cache hit, the prompt is fed again from its start at the positions after the cached blocks",
       "!= warm", {"scheduler": e.PrefixHitRefeedsPrompt},
       also=("determinism/batch/1", "determinism/seed/1"), scope=("determinism",)),
+    M("ignore_eos_ignored", "api/ignore-eos/1",
+      "ignore_eos is dropped from the request", "ignore_eos must go on past end-of-sequence",
+      {"middleware": a.ignore_eos_ignored}, scope=("api/ignore-eos",), control="api/completions/1"),
     # A crash: the clause during which the server stopped serving is "crashed" and names the
     # request; api/errors/3 sends the same table, so a fresh server dies on it too.
     M("empty_prompt_kills_engine", "api/errors/2",
@@ -296,7 +299,22 @@ CRASH_AT_START = M("crash_at_start", "api/models/1", "the engine cannot be built
 REFUSES_LOGPROBS = M("refuses_logprobs", "api/logprobs/1", "logprobs and echo are refused with 400", "-",
                      {"middleware": a.refuses_logprobs}, scope=SAMPLING, control="api/completions/1")
 
-BY_NAME = {m.name: m for m in (*MUTANTS, CRASH_AT_START, REFUSES_LOGPROBS)}
+# Not defects either: a server that refuses every field outside OpenAI's API with a 422 naming
+# it (extensions such as ignore_eos and stop_token_ids included), for the test that shows the
+# extension clauses are then "not supported" and no other clause depends on an extension; and
+# one with 200 rows and no plan on /health, for the test that shows its rows are measured.
+REFUSES_UNKNOWN_FIELDS = M("refuses_unknown_fields", "api/penalties/3",
+                           "fields outside OpenAI's API are refused with 422 naming them", "-",
+                           {"middleware": a.refuses_unknown_fields},
+                           scope=("api/penalties", "api/ignore-eos", "loop/commit/length", "loop/admission/1",
+                                  "drain/inflight"), control="api/completions/1")
+ROWS_200_UNPUBLISHED = M("rows_200_unpublished", "loop/admission/1",
+                         "the plan fits 200 rows and /health publishes no plan", "-",
+                         {"driver": e.TwoHundredRows, "middleware": h.NoPlanOnHealth},
+                         scope=("loop/admission", "loop/preempt", "cancel/waiting", "compile/constant"))
+
+BY_NAME = {m.name: m for m in (*MUTANTS, CRASH_AT_START, REFUSES_LOGPROBS, REFUSES_UNKNOWN_FIELDS,
+                               ROWS_200_UNPUBLISHED)}
 PARTS = ("engine", "scheduler", "prefix_cache", "stop_checker", "random_stream", "driver", "state", "middleware",
          "parser", "key_guard")
 
