@@ -75,7 +75,7 @@ def _build():
 
 
 def supported() -> bool:
-    from poot.engine.drivers.cpu.products.vnni import VnniPath
+    from poot.engine.drivers.cpu.products.integer import VnniPath
     from poot.engine.drivers.cpu.runtime import shared
 
     return VnniPath.available(shared())

@@ -13,14 +13,14 @@ from hypothesis import strategies as st
 
 from poot.engine.drivers.base import RowWork
 from poot.engine.drivers.cpu import CpuDriver
-from poot.engine.drivers.cpu.products.vnni import VnniPath
+from poot.engine.drivers.cpu.products.integer import integer_path
 from poot.engine.drivers.cpu.runtime import shared
 from poot.engine.models import family
 from poot.engine.models.synthetic import synthetic_llama, synthetic_mamba
 from poot.engine.plan import fit_plan
 
-pytestmark = pytest.mark.skipif(not VnniPath.available(shared()),
-                                reason="the decoder stack runs the integer products (AVX-512 VNNI)")
+INTEGER = integer_path(shared())  # the integer path this process has (AVX-512 VNNI, AVX2)
+pytestmark = pytest.mark.skipif(INTEGER is None, reason="the decoder stack runs the integer products")
 
 
 def _driver(model, stack: bool, every_count: bool = True) -> CpuDriver:
@@ -31,7 +31,7 @@ def _driver(model, stack: bool, every_count: bool = True) -> CpuDriver:
     driver.prepare(fit_plan(driver.device(), model.config, 0, model.name), model)
     if every_count:
         for product in driver.products.on_codes():
-            product.table = [(1 << 30, "int8")]
+            product.table = [(1 << 30, INTEGER.name)]
     return driver
 
 
@@ -144,7 +144,7 @@ def test_a_step_the_stack_does_not_take_walks_the_ops(model, monkeypatch):
     monkeypatch.setattr(Product, "keep_only", lambda self, paths: None)  # every path kept
     driver = _driver(model, True, every_count=False)
     for product in driver.products.on_codes():  # two tokens and more on a float path
-        product.table = [(1, "int8"), (1 << 30, "blocks")]
+        product.table = [(1, INTEGER.name), (1 << 30, "blocks")]
     runs = _stack_runs(driver, monkeypatch)
     _feed(driver, [0, 1], [[(0, [5, 6, 7])], [(0, [8])], [(0, [9]), (1, [10, 11])], [(1, [12])]])
     assert runs == [1, 1], "the one-token steps on the stack, the others op by op"
@@ -182,7 +182,7 @@ def test_a_callee_file_changes_the_stacks_cache_stamp(tmp_path, monkeypatch):
 
 
 def test_a_product_shares_only_arrays_like_its_own(pair):
-    product = pair[0].stack.products[0].path("int8")
+    product = pair[0].stack.products[0].path(INTEGER.name)
     codes = product.codes
     with pytest.raises(ValueError, match="must match"):
         product.share(codes[:, 1:], product.scales, product.lane_scales, product.colscale)

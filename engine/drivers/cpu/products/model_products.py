@@ -12,6 +12,7 @@ import numpy as np
 
 from ..runtime import Runtime
 from . import choice
+from .integer import INTEGER_PATHS
 from .product import Product, coded_product, float_product
 from .registry import CODE_PATHS
 
@@ -24,7 +25,7 @@ class ModelProducts:
         the matrices whose products run on block codes, on the paths this machine has: integer
         dot products where the CPU has them (and `int8`), MKL where it loads (and `use_mkl`)."""
         codes = codes or {}
-        allowed = tuple(k.name for k in CODE_PATHS if (k.name != "mkl" or use_mkl) and (k.name != "int8" or int8))
+        allowed = tuple(k.name for k in CODE_PATHS if (k.name != "mkl" or use_mkl) and (int8 or k not in INTEGER_PATHS))
         if codes:
             check_code_paths(runtime, allowed)
         self.runtime = runtime

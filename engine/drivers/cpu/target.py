@@ -1,0 +1,87 @@
+"""Which CPU numba compiles the kernels for (`choose`): the host as it is, or the host with
+fewer instruction sets, asked for by POOT_CPU_ISA, so that one machine can run, test and time
+the code a smaller CPU runs:
+
+    native   the host's name and features (the default)
+    avx2     the host's name and tuning, every AVX-512-class feature off (AVX-512, AVX10, AMX,
+             AVX-VNNI, AVX-IFMA, AVX-NE-CONVERT): the instruction sets of Intel's cores since
+             Haswell without AVX-512 and of AMD's Zen 1 to 3. The integer products take
+             AVX2's dot product (kernels/integer_dot.py), the same bits as VNNI's.
+    x86-64   the x86-64 baseline (SSE2; no AVX, FMA or F16C): no integer products, the products
+             on the float paths, the KV cache in float32 (no F16C to widen float16 with).
+
+The host's own name (its tuning, its scheduling model) is kept for avx2: LLVM then tunes for
+the core the code runs on, as it would on an AVX2 host, and the two modes differ in the
+instruction set alone. The plan names the result (`isa`); rows, positions and every result
+bit stay as they were. numba keys its on-disk cache by the CPU name and features, so the
+modes' compiled kernels do not mix.
+"""
+
+from __future__ import annotations
+
+import os
+
+VARIABLE = "POOT_CPU_ISA"
+CHOICES = ("native", "avx2", "x86-64")
+# Feature name prefixes (LLVM's) that a CPU without AVX-512 lacks.
+WIDER_THAN_AVX2 = ("avx512", "avx10", "amx", "avxvnni", "avxifma", "avxneconvert", "evex512")
+NEEDS = {"avx2": ("+avx2", "+fma", "+f16c")}  # what the host must have for a mode
+
+
+def requested(value: str | None = None) -> str:
+    """The mode asked for (`value`, else POOT_CPU_ISA, else native); ValueError if unknown."""
+    asked = (value if value is not None else os.environ.get(VARIABLE, "")).strip().lower() or "native"
+    if asked not in CHOICES:
+        raise ValueError(f"{VARIABLE}={asked!r}: expected one of {', '.join(CHOICES)}")
+    return asked
+
+
+def without_wide_vectors(features: str) -> str:
+    """LLVM's feature string with every AVX-512-class feature off."""
+    return ",".join("-" + f[1:] if f[1:].startswith(WIDER_THAN_AVX2) else f for f in features.split(","))
+
+
+def choose(numba, mode: str) -> None:
+    """Sets numba's target for `mode` (see the module), where nothing has set it yet (numba
+    fixes it at a process's first compile; NUMBA_CPU_NAME and NUMBA_CPU_FEATURES set it too).
+    Raises RuntimeError when the host lacks what the mode needs, or when the target is already
+    set and a mode other than native is asked for."""
+    import llvmlite.binding as llvm
+
+    if numba.config.CPU_NAME is not None or numba.config.CPU_FEATURES is not None:
+        if mode != "native":
+            raise RuntimeError(f"{VARIABLE}={mode}: numba's target is already set (NUMBA_CPU_NAME/FEATURES)")
+        return
+    host = llvm.get_host_cpu_features().flatten()
+    missing = [f for f in NEEDS.get(mode, ()) if f not in host.split(",")]
+    if missing:
+        raise RuntimeError(f"{VARIABLE}={mode}: this CPU lacks {', '.join(f[1:] for f in missing)}")
+    if mode == "native":
+        prefer_wide_vectors(numba, llvm.get_host_cpu_name(), host)
+    elif mode == "avx2":
+        numba.config.CPU_NAME = llvm.get_host_cpu_name()
+        numba.config.CPU_FEATURES = without_wide_vectors(host)
+    else:
+        numba.config.CPU_NAME, numba.config.CPU_FEATURES = "x86-64", ""
+
+
+def prefer_wide_vectors(numba, name: str, features: str) -> None:
+    """Lets LLVM use the host's widest vectors. For AVX-512 hosts it prefers 256-bit ones by
+    default (older chips slowed their clock for 512-bit work); here the few-token products
+    ran 1.3-1.7x faster with 512-bit vectors and single-threaded paged attention 1.4x.
+    With VNNI, it also asks for vpdpwssd as one instruction: LLVM's tuning for Intel cores
+    (rocketlake, as a Xeon VM reported itself, and sapphirerapids; not znver4) splits it into
+    vpmaddwd + vpaddd, which compete for the same two vector ports; the multi-token integer
+    products ran 1.5x faster fused (SmolLM2's 32-row products 70 against 43 ms)."""
+    have = features.split(",")
+    if "+avx512f" in have:
+        numba.config.CPU_NAME = name
+        numba.config.CPU_FEATURES = features + ",-prefer-256-bit" + (",+fast-dpwssd" if "+avx512vnni" in have else "")
+
+
+def isa(features: frozenset[str]) -> str:
+    """The instruction set the integer products run on, as the plan names it."""
+    from .kernels.integer_dot import route_for
+
+    return {"vpdpwssd": "avx512-vnni", "vpmaddwd": "avx2"}.get(route_for(features)) or \
+        ("avx" if "+avx" in features else "x86-64")
