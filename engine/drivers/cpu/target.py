@@ -36,6 +36,13 @@ def requested(value: str | None = None) -> str:
     return asked
 
 
+def host_features() -> frozenset[str]:
+    """The host CPU's features, whatever numba compiles for (LLVM's names: '+avx2')."""
+    import llvmlite.binding as llvm
+
+    return frozenset(llvm.get_host_cpu_features().flatten().split(","))
+
+
 def without_wide_vectors(features: str) -> str:
     """LLVM's feature string with every AVX-512-class feature off."""
     return ",".join("-" + f[1:] if f[1:].startswith(WIDER_THAN_AVX2) else f for f in features.split(","))
