@@ -3,10 +3,11 @@ fewer instruction sets, asked for by POOT_CPU_ISA, so that one machine can run, 
 the code a smaller CPU runs:
 
     native   the host's name and features (the default)
-    avx2     the host's name and tuning, every AVX-512-class feature off (AVX-512, AVX10, AMX,
-             AVX-VNNI, AVX-IFMA, AVX-NE-CONVERT): the instruction sets of Intel's cores since
-             Haswell without AVX-512 and of AMD's Zen 1 to 3. The integer products take
-             AVX2's dot product (kernels/integer_dot.py), the same bits as VNNI's.
+    avx2     the host's name and tuning, with every vector extension past AVX2, FMA and F16C
+             off (AVX-512, AVX10, AMX, AVX-VNNI, AVX-IFMA, AVX-NE-CONVERT, and GFNI, VAES and
+             VPCLMULQDQ, which Zen 1 and 2 and Intel's cores before Ice Lake lack): the vector
+             instructions every AVX2 CPU has. The integer products take AVX2's dot product
+             (kernels/integer_dot.py), the same bits as VNNI's.
     x86-64   the x86-64 baseline (SSE2; no AVX, FMA or F16C): no integer products, the products
              on the float paths, the KV cache in float32 (no F16C to widen float16 with).
 
@@ -23,8 +24,9 @@ import os
 
 VARIABLE = "POOT_CPU_ISA"
 CHOICES = ("native", "avx2", "x86-64")
-# Feature name prefixes (LLVM's) that a CPU without AVX-512 lacks.
-WIDER_THAN_AVX2 = ("avx512", "avx10", "amx", "avxvnni", "avxifma", "avxneconvert", "evex512")
+# Feature name prefixes (LLVM's) of the vector extensions some AVX2 CPUs lack (LLVM used GFNI to
+# shift the 4-bit codes' bytes, an instruction Zen 1 to 3 do not have).
+PAST_AVX2 = ("avx512", "avx10", "amx", "avxvnni", "avxifma", "avxneconvert", "evex512", "gfni", "vaes", "vpclmulqdq")
 NEEDS = {"avx2": ("+avx2", "+fma", "+f16c")}  # what the host must have for a mode
 
 
@@ -43,9 +45,9 @@ def host_features() -> frozenset[str]:
     return frozenset(llvm.get_host_cpu_features().flatten().split(","))
 
 
-def without_wide_vectors(features: str) -> str:
-    """LLVM's feature string with every AVX-512-class feature off."""
-    return ",".join("-" + f[1:] if f[1:].startswith(WIDER_THAN_AVX2) else f for f in features.split(","))
+def avx2_only(features: str) -> str:
+    """LLVM's feature string with every vector extension past AVX2 off (PAST_AVX2)."""
+    return ",".join("-" + f[1:] if f[1:].startswith(PAST_AVX2) else f for f in features.split(","))
 
 
 def choose(numba, mode: str) -> None:
@@ -67,7 +69,7 @@ def choose(numba, mode: str) -> None:
         prefer_wide_vectors(numba, llvm.get_host_cpu_name(), host)
     elif mode == "avx2":
         numba.config.CPU_NAME = llvm.get_host_cpu_name()
-        numba.config.CPU_FEATURES = without_wide_vectors(host)
+        numba.config.CPU_FEATURES = avx2_only(host)
     else:
         numba.config.CPU_NAME, numba.config.CPU_FEATURES = "x86-64", ""
 
