@@ -81,6 +81,8 @@ def test_the_avx2_tile_holds_no_instruction_past_avx2(tuning):
     if tuning == "znver1" and "+sse4a" not in host:
         tuning = "haswell"  # the host must run what it compiles: Zen's SSE4a is AMD's alone
     counts = _tile_instructions("avx2", tuning)
-    # Each dot product of 32 word pairs: vpmaddwd on each 256-bit half, then vpaddd.
-    assert counts.get("vpmaddwd", 0) == counts["sums"] * 9 * 2 * 2, counts
+    # Each dot product of 32 word pairs: vpmaddwd on each 256-bit half, then vpaddd; two a
+    # chunk of 64 codes for each sum (the tile's chunks loop: how many the code writes out is
+    # LLVM's choice).
+    assert counts.get("vpmaddwd", 0) > 0 and counts["vpmaddwd"] % (counts["sums"] * 2 * 2) == 0, counts
     assert counts["past_avx2"] == 0, counts
