@@ -310,6 +310,35 @@ def test_pick_matches_the_reference(runner):
     check_pick(*runner, 3000)
 
 
+PICK_ELSEWHERE = r"""
+import ctypes, pathlib, subprocess, sys
+from tests.drivers.host_kernels import CXX
+from tests.drivers.kernel_runners import host_runner
+from tests.drivers.test_cuda_kernels import check_pick
+folder = pathlib.Path(sys.argv[1])
+(folder / "other.cc").write_text('extern "C" void pick(void) {}')
+subprocess.run([CXX, "-shared", "-fPIC", str(folder / "other.cc"), "-o", str(folder / "other.so")], check=True)
+ctypes.CDLL(str(folder / "other.so"), mode=ctypes.RTLD_GLOBAL)  # as MKL's core is, with its own pick
+for lanes in (32, 64):
+    check_pick(*host_runner(folder, lanes), 3000)
+print("picked")
+"""
+
+
+def test_the_host_build_runs_its_own_kernels_beside_a_library_of_the_same_names(tmp_path):
+    """A library loaded into the process before the host build, exporting a function named as
+    a kernel (MKL's core exports `pick`), must not take that kernel's place: the host build
+    binds its own symbols (a launch of the other `pick` did nothing and left every id 0)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    run = subprocess.run([sys.executable, "-c", PICK_ELSEWHERE, str(tmp_path)], cwd=root, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0 and "picked" in run.stdout, run.stderr[-3000:]
+
+
 def test_pick_over_a_large_vocabulary_on_the_device_matches_the_reference(device):
     check_pick(*device, 151936)
 

@@ -85,12 +85,18 @@ class Server:
     def metrics(self) -> dict[str, float]:
         return prometheus.parse_flat(self.client.get("/metrics").text)
 
-    def wait_metric(self, name: str, pred, timeout: float = 10.0) -> dict[str, float]:
+    def wait_metric(self, name: str, pred, timeout: float = 10.0, moving: str | None = None) -> dict[str, float]:
+        """Polls /metrics until `name` satisfies `pred`, for `timeout` seconds; with `moving`
+        (a counter's name), for `timeout` seconds after that counter last moved, so a request
+        that runs to its end on a slow or busy machine is waited for while it still runs."""
         deadline = time.monotonic() + timeout
+        last = None
         while time.monotonic() < deadline:
             m = self.metrics()
             if pred(m.get(name)):
                 return m
+            if moving is not None and m.get(moving) != last:
+                last, deadline = m.get(moving), time.monotonic() + timeout
             time.sleep(0.005)
         raise AssertionError(f"{name} never satisfied the condition; last {m.get(name)}")
 

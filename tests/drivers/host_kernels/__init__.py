@@ -12,6 +12,7 @@ import ctypes
 import hashlib
 import shutil
 import subprocess
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -23,10 +24,17 @@ HERE = Path(__file__).parent
 CXX = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++-15")  # clang 15 comes with hipcc
 
 
+# Each library keeps its own symbols: kernel names such as `pick` are also exported by other
+# libraries a test process loads (MKL's core has a `pick`), and the runtime's state, C++
+# inline variables, would otherwise be one GNU-unique object shared by the 32- and 64-lane
+# builds. Only the sim_ entries are exported.
+HERMETIC = ("-fvisibility=hidden", "-fvisibility-inlines-hidden")  # hidden symbols are never GNU-unique
+
+
 def _wrappers(code: str, name: str) -> str:
     """An exported entry per kernel: sim_NAME(geometry, args) launches NAME on the runtime."""
-    return "\n".join(f'extern "C" int sim_{k}(const unsigned* g, void** a) {{ return sim::launch({k}, g, a); }}'
-                     for k in cc.kernel_names(name))
+    return "\n".join(f'extern "C" __attribute__((visibility("default"))) int sim_{k}(const unsigned* g, void** a) '
+                     f'{{ return sim::launch({k}, g, a); }}' for k in cc.kernel_names(name))
 
 
 def build(folder: Path, lanes: int, sources: dict[str, str] | None = None) -> ctypes.CDLL:
@@ -46,16 +54,20 @@ def build(folder: Path, lanes: int, sources: dict[str, str] | None = None) -> ct
         for name, text in units.items():
             (work / name).write_text(text)
             obj = work / (name + ".o")
-            run = subprocess.run([CXX, "-std=c++20", "-O2", "-fPIC", "-c", "-x", "c++", f"-DLANES={lanes}",
+            run = subprocess.run([CXX, "-std=c++20", "-O2", "-fPIC", *HERMETIC, "-c", "-x", "c++", f"-DLANES={lanes}",
                                   "-include", str(HERE / "runtime.h"), f"-I{work}", str(work / name), "-o", str(obj)],
                                  capture_output=True, text=True, timeout=300)
             if run.returncode:
                 raise RuntimeError(f"the host build of {name} failed:\n{run.stderr}")
             objects.append(str(obj))
-        subprocess.run([CXX, "-shared", "-o", str(lib), *objects], check=True, timeout=120)
+        subprocess.run([CXX, "-shared", "-Wl,-Bsymbolic", "-o", str(lib), *objects], check=True, timeout=120)
     return ctypes.CDLL(str(lib))
 
 
+# The runtime's state (the fibers, the shuffle exchange, `__shared__` as statics) is global to
+# the library, and ctypes lets go of the GIL during a call: launches from two threads (an
+# engine thread and a test's) must not overlap.
+_ONE_LAUNCH = threading.Lock()
 _SCALAR = {np.int32: ctypes.c_int32, np.float32: ctypes.c_float, np.int64: ctypes.c_int64,
            np.uint32: ctypes.c_uint32}
 
@@ -66,7 +78,8 @@ def launch(lib: ctypes.CDLL, name: str, grid: tuple, block: tuple, args: tuple) 
     values = [ctypes.c_void_p(a.ctypes.data) if isinstance(a, np.ndarray) else _SCALAR[type(a)](a) for a in args]
     pointers = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in values])
     geometry = (ctypes.c_uint * 6)(*grid, *(1,) * (3 - len(grid)), *block, *(1,) * (3 - len(block)))
-    status = getattr(lib, f"sim_{name}")(geometry, pointers)
+    with _ONE_LAUNCH:
+        status = getattr(lib, f"sim_{name}")(geometry, pointers)
     if status:
         raise RuntimeError(f"{name} grid {grid} block {block}: the block deadlocked or is too large ({status})")
 
