@@ -9,8 +9,9 @@ each ratio uses the best ceilings seen in the run), on all BLAS threads as the e
   beyond any cache);
 - GEMM rate: a float32 2048x2048x2048 product, the faster of OpenBLAS's and MKL's (when the
   driver's products run on MKL);
-- integer dot ceiling (compact path, AVX-512 VNNI CPUs): vpdpwssd alone on registers, every
-  thread (dot_ceiling.py): the most multiply-adds a second the block-code products can reach.
+- integer dot ceiling (compact path, CPUs with an integer path): its dot product (vpdpwssd on
+  AVX-512 VNNI, vpmaddwd and vpaddd on AVX2) alone on registers, every thread
+  (dot_ceiling.py): the most multiply-adds a second the block-code products can reach.
 Then, from the same process, the default model (SmolLM2-135M-Instruct, float32) on the
 CpuDriver with the plan the engine would fit:
 - model load: cold (parse + dequantize the GGUF, cache off) and cached (~/.cache/poot);
@@ -79,7 +80,7 @@ class Ceilings:
     def __init__(self, dot: bool = True):
         from benchmarks.dot_ceiling import supported
 
-        self.dot = 0.0 if dot and supported() else None  # vpdpwssd multiply-adds/s (None: not measured)
+        self.dot = 0.0 if dot and supported() else None  # dot-product multiply-adds/s (None: not measured)
         rng = np.random.default_rng(0)
         self.a = np.full((16384, 16384), 0.5, dtype=np.float32)
         self.x = rng.standard_normal(16384, dtype=np.float32)
@@ -314,15 +315,21 @@ def run(args) -> dict:
                  f"best bandwidth {bw / 1e9:.1f} GB/s (sgemv, 1 GiB); best GEMM {gemm / 1e9:.0f} GFLOP/s (sgemm 2048^3, "
                  f"the faster of {'OpenBLAS and MKL' if bench.driver.products and bench.driver.products.packed else 'OpenBLAS'})")
     if ceilings.dot:
-        lines.append(f"integer dot ceiling {ceilings.dot / 1e9:.0f} G multiply-adds/s (vpdpwssd alone on registers, "
+        from poot.engine.drivers.cpu.kernels.integer_dot import route
+
+        lines.append(f"integer dot ceiling {ceilings.dot / 1e9:.0f} G multiply-adds/s ({route()} alone on registers, "
                      f"every thread: dot_ceiling.py)")
-    kernels = bench.driver.kernels
+    lines.append(f"instruction set: {plan.isa or 'none named'} (POOT_CPU_ISA={os.environ.get('POOT_CPU_ISA', 'native')}); "
+                 f"CPU: {plan.adapter}")
+    kernels = bench.driver.products
     if kernels is not None and kernels.choices:
         lines.append(f"products, chosen by measurement at prepare ({kernels.measure_seconds:.1f} s): "
                      + "; ".join(bench.driver.product_choice()))
     else:
         products = "MKL packed products" if kernels and kernels.packed else "OpenBLAS"
-        lines.append(f"products: compiled kernel for 1-{max(kernels.FEW_TOKENS) if kernels else 0} "
+        from poot.engine.drivers.cpu.products.few_tokens import FEW_TOKENS
+
+        lines.append(f"products: compiled kernel for 1-{max(FEW_TOKENS) if kernels else 0} "
                      f"tokens, {products} above")
     lines.append(f"model: {model.name}: {wbytes / 1e6:.0f} MB float32 read per step, {fpt / 1e6:.0f} MFLOP/token "
                  f"(+{bench.attention_flops(ctx) / 1e6:.1f} attention at {ctx} context); "

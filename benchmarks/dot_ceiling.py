@@ -1,13 +1,16 @@
-"""This CPU's integer dot-product ceiling: AVX-512 VNNI's vpdpwssd (32 multiply-adds of 16-bit
-words an instruction, the compact path's products: engine/drivers/cpu/kernels/vnni.py) on
-registers alone, on every numba thread. No product on that path can beat it, so a step's
+"""This CPU's integer dot-product ceiling: the dot product the compact path's integer products
+run on (engine/drivers/cpu/kernels/integer_dot.py: AVX-512 VNNI's vpdpwssd, 32 multiply-adds
+of 16-bit words an instruction, or AVX2's vpmaddwd and vpaddd) on registers alone, on every
+numba thread. No product on that path can beat it, so a step's
 integer products are reported as a share of it (bench_smollm2.py's %dot), the way a one-row
 step is reported against the bandwidth bound.
 
     .venv/bin/python benchmarks/dot_ceiling.py
 
 Eight independent sums a thread: fewer leave the core waiting on each instruction's latency.
-`measure()` is None where the CPU lacks AVX-512 VNNI (the compact path then runs without it).
+Each sum is also the next round's first operand: with operands fixed, LLVM computed AVX2's
+vpmaddwd once, outside the loop, and counted only the adds (a ceiling of 340 G on one core).
+`measure()` is None where the CPU has no integer path (the compact path then runs without one).
 """
 
 from __future__ import annotations
@@ -31,12 +34,15 @@ def kernel():
 
 
 def _build():
-    """The probe: for each thread, `n` rounds of CHAINS vpdpwssd on register operands, the
-    sums stored at the end (else the compiler drops the loop)."""
+    """The probe: for each thread, `n` rounds of CHAINS dot products on register operands,
+    s = s + dot(s, b) for each sum s, the sums stored at the end (else the compiler drops the
+    loop)."""
     from llvmlite import ir
     from numba import njit, prange, types
     from numba.core import cgutils
     from numba.extending import intrinsic
+
+    from poot.engine.drivers.cpu.kernels import integer_dot
 
     i32 = ir.IntType(32)
     vector = ir.VectorType(i32, LANES)
@@ -51,13 +57,13 @@ def _build():
             words = builder.bitcast(seed_a.data, vector.as_pointer())
             a = builder.load(words, align=4)
             b = builder.load(builder.gep(words, [ir.Constant(i32, 1)]), align=4)
-            dot = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vector, [vector] * 3),
-                                                 "llvm.x86.avx512.vpdpwssd.512")
+            dot = integer_dot.emitter(builder, integer_dot.route())
             sums = [cgutils.alloca_once_value(builder, builder.add(a, ir.Constant(vector, [k] * LANES)))
                     for k in range(CHAINS)]
             with cgutils.for_range(builder, args[1]):
                 for s in sums:
-                    builder.store(builder.call(dot, [builder.load(s), a, b]), s)
+                    value = builder.load(s)
+                    builder.store(dot(value, value, b), s)
             total = builder.load(sums[0])
             for s in sums[1:]:
                 total = builder.add(total, builder.load(s))
@@ -75,15 +81,15 @@ def _build():
 
 
 def supported() -> bool:
-    from poot.engine.drivers.cpu.products.vnni import VnniPath
+    from poot.engine.drivers.cpu.products.integer import integer_path
     from poot.engine.drivers.cpu.runtime import shared
 
-    return VnniPath.available(shared())
+    return integer_path(shared()) is not None
 
 
 def measure(seconds: float = 0.3) -> float | None:
-    """Multiply-adds per second of vpdpwssd alone on every numba thread (the best of a few
-    timings within `seconds`), or None without AVX-512 VNNI."""
+    """Multiply-adds per second of the dot product alone on every numba thread (the best of a
+    few timings within `seconds`), or None without an integer path."""
     if not supported():
         return None
     import numba
@@ -111,6 +117,8 @@ if __name__ == "__main__":
 
     rate = measure(1.0)
     if rate is None:
-        print("no AVX-512 VNNI on this CPU: the compact path's integer products do not run here")
+        print("no integer path on this CPU: the compact path's integer products do not run here")
     else:
-        print(f"vpdpwssd alone: {rate / 1e9:.0f} G multiply-adds/s on {numba.get_num_threads()} threads")
+        from poot.engine.drivers.cpu.kernels.integer_dot import route
+
+        print(f"{route()} alone: {rate / 1e9:.0f} G multiply-adds/s on {numba.get_num_threads()} threads")

@@ -25,6 +25,7 @@ class DeviceInfo:
     # The most bytes one buffer binding may hold (a WebGPU adapter's limit; 0: no limit).
     max_binding_bytes: int = 0
     adapter: str = ""  # the adapter a GPU driver chose, as it describes itself
+    isa: str = ""  # the instruction set the driver's compiled code runs on (CPU: avx512-vnni, avx2, ...)
 
 
 @dataclass(slots=True, frozen=True)
@@ -41,6 +42,7 @@ class Plan:
     # chunk may be long enough for the products to run at their full rate. 0: token_budget.
     idle_token_budget: int = 0
     adapter: str = ""  # the device adapter the driver runs on, where it chose one
+    isa: str = ""  # the instruction set its compiled code runs on, where the driver names one
     # Prefill tokens a step beside only a few decoding rows may add (see step_budget): about
     # one read of the weights' worth of arithmetic (weight_read_tokens). 0: no cap but
     # token_budget. Published (as_dict, GET /health) under its old name, prefill_chunk.
@@ -143,7 +145,7 @@ def fit_plan(device: DeviceInfo, config, weight_bytes: int, model_name: str = ""
     idle_budget = max(token_budget, -(-idle_prefill_chunk(device) // multiple) * multiple)
     if getattr(config, "recurrent", False):
         return Plan(device.backend, rows, positions, BLOCK_SIZE, 0, token_budget, model_name, state_slots=rows,
-                    idle_token_budget=idle_budget, adapter=device.adapter, prefill_beside_decoding=beside,
+                    idle_token_budget=idle_budget, adapter=device.adapter, isa=device.isa, prefill_beside_decoding=beside,
                     token_multiple=multiple)
     free = device.memory_bytes - weight_bytes
     if free <= 0:
@@ -162,5 +164,5 @@ def fit_plan(device: DeviceInfo, config, weight_bytes: int, model_name: str = ""
     if positions < BLOCK_SIZE:
         raise ValueError("the device has no room for a KV cache")
     return Plan(device.backend, rows, positions, BLOCK_SIZE, num_blocks, token_budget, model_name,
-                idle_token_budget=idle_budget, adapter=device.adapter, prefill_beside_decoding=beside,
+                idle_token_budget=idle_budget, adapter=device.adapter, isa=device.isa, prefill_beside_decoding=beside,
                 token_multiple=multiple)

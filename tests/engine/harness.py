@@ -5,7 +5,10 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from poot.engine import Engine, SamplingParams
+from poot.engine.drivers.base import RowWork
 from poot.engine.drivers.cpu import CpuDriver
 from poot.engine.events import Accepted, Finished, Rejected, Tokens
 from poot.engine.models.synthetic import synthetic_llama
@@ -88,3 +91,24 @@ def run_until_idle(engine: Engine, limit: int = 10_000) -> int:
         steps += 1
     assert not engine.in_flight(), "engine did not finish its requests"
     return steps
+
+
+def feed_steps(driver, rows: list[int], steps: list[list[tuple[int, list[int]]]]) -> list[np.ndarray]:
+    """Opens each row on its own blocks of a prepared driver, then runs the steps: each a list
+    of (row, tokens); returns every step's logits."""
+    plan = driver.plan
+    per_row = plan.blocks_for(plan.positions)
+    fed = {}
+    for row in rows:
+        driver.open_row(row, list(range(row * per_row, (row + 1) * per_row)))
+        fed[row] = 0
+    outs = []
+    for step in steps:
+        batch = []
+        for row, tokens in step:
+            batch.append(RowWork(row, np.array(tokens, np.int32), fed[row], driver.open_rows[row], len(tokens)))
+            fed[row] += len(tokens)
+        outs.append(driver.step(batch).logits.copy())
+    for row in rows:
+        driver.close_row(row)
+    return outs

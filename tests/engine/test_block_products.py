@@ -1,5 +1,5 @@
 """The CPU driver's products on block codes (engine/drivers/cpu/products/, the integer kernels
-of cpu/kernels/vnni.py): every path against float64 on the same quantized activations,
+of cpu/kernels/integer.py): every path against float64 on the same quantized activations,
 a token's result independent of the rest of the step, and the quantization's error bound."""
 
 from __future__ import annotations
@@ -12,11 +12,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from poot.engine.drivers.cpu.products import coded_product
+from poot.engine.drivers.cpu.products.integer import integer_path
 from poot.engine.drivers.cpu.products.quantized import Quantized
-from poot.engine.drivers.cpu.products.vnni import VnniPath
 from poot.engine.drivers.cpu.runtime import shared
 
 runtime = shared()
+INTEGER = integer_path(runtime)  # the integer path this process has (AVX-512 VNNI, AVX2), or None
 pytestmark = pytest.mark.skipif(not runtime.available(), reason=runtime.unavailable_reason())
 
 BLOCK = 32
@@ -45,8 +46,8 @@ def _paths() -> tuple[str, ...]:
     from poot.engine.drivers.cpu.products.model_products import check_code_paths
 
     paths = ["blocks", "openblas"]
-    if VnniPath.available(runtime):
-        paths.insert(0, "int8")
+    if INTEGER is not None:
+        paths.insert(0, INTEGER.name)
     if mkl_products.available():
         paths.append("mkl")
     check_code_paths(runtime, tuple(paths))
@@ -99,15 +100,15 @@ def test_every_path_gives_the_product_of_the_quantized_activations(signed, head,
 def test_a_tokens_result_does_not_depend_on_the_rest_of_the_step():
     """The integer path computes each (row, token) in one order whatever the tile, so a
     token's result is bit for bit the same alone, in a pair, or in a step of 37 tokens."""
-    if not VnniPath.available(runtime):
-        pytest.skip("this CPU has no AVX-512 VNNI")
+    if INTEGER is None:
+        pytest.skip("no integer path on this CPU")
     rng = np.random.default_rng(5)
     product = coded_product(_codes(rng, 67, 576, False), None, runtime, _paths())  # a group of 16 blocks and a pair
     x = rng.standard_normal((576, 37)).astype(np.float32)
-    together = product.run(x, path="int8")
+    together = product.run(x, path=INTEGER.name)
     for t in (0, 5, 36):
-        assert np.array_equal(product.run(x[:, t : t + 1], path="int8")[:, 0], together[:, t])
-        assert np.array_equal(product.run(x[:, t : t + 2], path="int8")[:, 0], together[:, t])
+        assert np.array_equal(product.run(x[:, t : t + 1], path=INTEGER.name)[:, 0], together[:, t])
+        assert np.array_equal(product.run(x[:, t : t + 2], path=INTEGER.name)[:, 0], together[:, t])
 
 
 @settings(max_examples=60, deadline=None)
@@ -116,8 +117,8 @@ def test_a_tokens_result_does_not_depend_on_the_rest_of_the_step():
 def test_the_integer_kernel_covers_every_tile_edge(rows, pairs, tokens, signed, head, add, seed):
     """Row and token counts on either side of every tile size (1, 2 and 4 rows by tokens), and
     widths with and without whole groups of 16 blocks and pairs left after them."""
-    if not VnniPath.available(runtime):
-        pytest.skip("this CPU has no AVX-512 VNNI")
+    if INTEGER is None:
+        pytest.skip("no integer path on this CPU")
     rng = np.random.default_rng(seed)
     cols = 2 * BLOCK * pairs
     codes = _codes(rng, rows, cols, signed)
@@ -126,7 +127,7 @@ def test_the_integer_kernel_covers_every_tile_edge(rows, pairs, tokens, signed, 
     want = _reference(codes, np.ones(cols, np.float32), x)
     want = want.T if head else want
     out = np.full(want.shape, 1.5, np.float32) if add else None
-    got = product.run(x, out=out, path="int8")
+    got = product.run(x, out=out, path=INTEGER.name)
     # float32's error grows with the terms the kernel sums, not with their (possibly cancelling)
     # total: a signed code is summed as code + 128 with -128 d taken back in the offset term.
     terms = _term_sizes(product, x)
@@ -139,7 +140,7 @@ def test_each_token_quantizes_the_same_alone_or_among_many(tokens, width, seed):
     """quantize_words takes few tokens one by one and more across tokens, in vector lanes
     (tasks of 16): a token's int16 values and scales must be the same bits either way."""
     from poot.engine.drivers.cpu.kernels import quantize as k
-    from poot.engine.drivers.cpu.kernels.vnni_layout import kernel_order, lane_width
+    from poot.engine.drivers.cpu.kernels.integer_layout import kernel_order, lane_width
 
     rng = np.random.default_rng(seed)
     x = (rng.standard_normal((width, tokens)) * 10.0 ** rng.integers(-3, 4, (width, 1))).astype(np.float32)
@@ -198,9 +199,9 @@ def test_signed_codes_become_unsigned_bytes_with_the_offset_taken_back():
 
 
 def test_paths_a_matrix_cannot_take_are_not_offered():
-    """The integer tile takes blocks in pairs: a width of an odd number of blocks has no int8 path."""
+    """The integer tile takes blocks in pairs: a width of an odd number of blocks has no integer path."""
     rng = np.random.default_rng(2)
-    odd = coded_product(_codes(rng, 5, 96, False), None, runtime, ("int8", "blocks", "openblas"))
+    odd = coded_product(_codes(rng, 5, 96, False), None, runtime, ("int8", "avx2", "blocks", "openblas"))
     assert odd.paths == ("blocks", "openblas")
     x = rng.standard_normal((96, 2)).astype(np.float32)
     assert odd.path_for(2) == "blocks"
@@ -211,15 +212,15 @@ def test_paths_a_matrix_cannot_take_are_not_offered():
 def test_four_bit_codes_are_read_two_a_byte_in_the_kernels_order():
     """Runs of 16 blocks, block x's codes on lane x (two 16-bit words a lane in each chunk of 32
     words), the blocks left over in pairs (8 lanes a block); 4-bit codes two a byte."""
-    from poot.engine.drivers.cpu.kernels.vnni_layout import GROUP, kernel_order, pack_nibbles
+    from poot.engine.drivers.cpu.kernels.integer_layout import GROUP, kernel_order, pack_nibbles
 
-    if not VnniPath.available(runtime):
-        pytest.skip("this CPU has no AVX-512 VNNI")
+    if INTEGER is None:
+        pytest.skip("no integer path on this CPU")
     rng = np.random.default_rng(8)
     width = 576  # SmolLM2's: one run of 16 blocks, then a pair
     product = coded_product(_codes(rng, 19, width, False), None, runtime, _paths())
     order = kernel_order(width)
-    vnni = product.path("int8")
+    vnni = product.path(INTEGER.name)
     assert np.array_equal(np.sort(order), np.arange(width)) and np.array_equal(vnni.order, order)
     e = np.arange(width)
     lane = order % 32 // 2
@@ -233,7 +234,7 @@ def test_four_bit_codes_are_read_two_a_byte_in_the_kernels_order():
     # Byte j of a chunk of 64 codes: code j low, code 32 + j high.
     assert np.array_equal(vnni.codes[:, :32] & 15, arranged[:, :32])
     assert np.array_equal(vnni.codes[:, :32] >> 4, arranged[:, 32:64])
-    signed = coded_product(_codes(rng, 3, width, True), None, runtime, _paths()).path("int8")  # a byte a code
+    signed = coded_product(_codes(rng, 3, width, True), None, runtime, _paths()).path(INTEGER.name)  # a byte a code
     assert signed.codes.shape == (3, width) and np.array_equal(signed.order, order)
 
 
@@ -241,8 +242,8 @@ def test_four_bit_codes_are_read_two_a_byte_in_the_kernels_order():
 def test_the_largest_codes_and_activations_sum_without_overflow(signed):
     """Every code at its largest (15, or 255 once shifted) against every activation at LEVELS:
     the exact int32 sums must not wrap (a lane holds one block's; 16 blocks of 255s would)."""
-    if not VnniPath.available(runtime):
-        pytest.skip("this CPU has no AVX-512 VNNI")
+    if INTEGER is None:
+        pytest.skip("no integer path on this CPU")
     width = 2048
     codes = _codes(np.random.default_rng(3), 4, width, signed)
     codes.codes[...] = 127 if signed else 15
@@ -251,39 +252,39 @@ def test_the_largest_codes_and_activations_sum_without_overflow(signed):
     product = coded_product(codes, None, runtime, _paths())
     x = np.ones((width, 3), np.float32)
     want = _reference(codes, np.ones(width, np.float32), x)
-    np.testing.assert_allclose(product.run(x, path="int8"), want, rtol=1e-5)
+    np.testing.assert_allclose(product.run(x, path=INTEGER.name), want, rtol=1e-5)
 
 
 @pytest.mark.parametrize("signed", [False, True], ids=["q4_1", "q8_0"])
 def test_scales_are_read_as_float16_only_where_it_holds_them_exactly(signed):
     """A GGUF's block scales are float16: the integer path reads them so (fewer bytes a
     block), bit for bit the float32 scales' result; scales float16 cannot hold stay float32."""
-    if not VnniPath.available(runtime):
-        pytest.skip("this CPU has no AVX-512 VNNI")
+    if INTEGER is None:
+        pytest.skip("no integer path on this CPU")
     rng = np.random.default_rng(9)
     codes = _codes(rng, 37, 192, signed)
     product = coded_product(codes, None, runtime, _paths())
-    vnni = product.path("int8")
+    vnni = product.path(INTEGER.name)
     assert vnni.scales[0].dtype == np.uint16 and vnni.scales[1].dtype == np.uint16
     assert product.bytes_read(1) < coded_product(codes, None, runtime, ("blocks",)).bytes_read(1)
     x = rng.standard_normal((192, 6)).astype(np.float32)
-    half = product.run(x, path="int8")
+    half = product.run(x, path=INTEGER.name)
     vnni.set_scales(product.path("blocks").d, product.path("blocks").m)
-    assert np.array_equal(product.run(x, path="int8"), half)
+    assert np.array_equal(product.run(x, path=INTEGER.name), half)
 
     codes.d[3, 1] = np.float32(0.1)  # not a float16 value
     codes.d[5, 2] = np.float32(1e-9)  # below float16's smallest
     inexact = coded_product(codes, None, runtime, _paths())
-    scales = inexact.path("int8").scales
+    scales = inexact.path(INTEGER.name).scales
     assert scales[0].dtype == np.float32 and scales[0] is inexact.path("blocks").d
     want = _reference(codes, np.ones(192, np.float32), x)
-    np.testing.assert_allclose(inexact.run(x, path="int8"), want, rtol=0, atol=1e-5 * np.abs(want).max())
+    np.testing.assert_allclose(inexact.run(x, path=INTEGER.name), want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 
 def test_lane_scales_spread_a_tail_runs_two_blocks_over_eight_lanes_each():
     """Several tokens' tiles read d and m laid out as their lanes hold the blocks: a run of 16
     blocks as it is, each 2-block tail run over 16 lanes (m' on a block's first lane only)."""
-    from poot.engine.drivers.cpu.kernels.vnni_layout import lane_scales, lane_width
+    from poot.engine.drivers.cpu.kernels.integer_layout import lane_scales, lane_width
 
     blocks = 20  # a run of 16, then two tail runs
     s = np.arange(1, 2 * blocks + 1, dtype=np.float32).reshape(2, blocks)

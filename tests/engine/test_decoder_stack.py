@@ -11,16 +11,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from poot.engine.drivers.base import RowWork
 from poot.engine.drivers.cpu import CpuDriver
-from poot.engine.drivers.cpu.products.vnni import VnniPath
+from poot.engine.drivers.cpu.products.integer import integer_path
 from poot.engine.drivers.cpu.runtime import shared
 from poot.engine.models import family
 from poot.engine.models.synthetic import synthetic_llama, synthetic_mamba
 from poot.engine.plan import fit_plan
 
-pytestmark = pytest.mark.skipif(not VnniPath.available(shared()),
-                                reason="the decoder stack runs the integer products (AVX-512 VNNI)")
+from .harness import feed_steps
+
+INTEGER = integer_path(shared())  # the integer path this process has (AVX-512 VNNI, AVX2)
+pytestmark = pytest.mark.skipif(INTEGER is None, reason="the decoder stack runs the integer products")
 
 
 def _driver(model, stack: bool, every_count: bool = True) -> CpuDriver:
@@ -32,7 +33,7 @@ def _driver(model, stack: bool, every_count: bool = True) -> CpuDriver:
     driver.prepare(fit_plan(driver.device(), model.config, 0, model.name), model)
     if every_count:
         for product in driver.products.on_codes():
-            product.table = [(1 << 30, "int8")]
+            product.table = [(1 << 30, INTEGER.name)]
     return driver
 
 
@@ -84,29 +85,8 @@ def test_a_layer_edited_inside_its_op_keeps_the_stack_and_differs_from_its_parts
     monkeypatch.setattr(llama, "program", edited)
     stacked, walked = _driver(model, True), _driver(model, False)
     assert stacked.stack is not None
-    ours, theirs = _feed(stacked, [0], [[(0, [1, 2, 3])]]), _feed(walked, [0], [[(0, [1, 2, 3])]])
+    ours, theirs = feed_steps(stacked, [0], [[(0, [1, 2, 3])]]), feed_steps(walked, [0], [[(0, [1, 2, 3])]])
     assert not np.array_equal(ours[0], theirs[0])
-
-
-def _feed(driver, rows, steps):
-    """Opens each row on its own blocks, then runs the steps: each a list of (row, tokens);
-    returns every step's logits."""
-    plan = driver.plan
-    per_row = plan.blocks_for(plan.positions)
-    fed = {}
-    for row in rows:
-        driver.open_row(row, list(range(row * per_row, (row + 1) * per_row)))
-        fed[row] = 0
-    outs = []
-    for step in steps:
-        batch = []
-        for row, tokens in step:
-            batch.append(RowWork(row, np.array(tokens, np.int32), fed[row], driver.open_rows[row], len(tokens)))
-            fed[row] += len(tokens)
-        outs.append(driver.step(batch).logits.copy())
-    for row in rows:
-        driver.close_row(row)
-    return outs
 
 
 def _stack_runs(driver, monkeypatch) -> list[int]:
@@ -132,7 +112,7 @@ def test_stacked_layers_give_the_op_walks_logits_and_cache_bit_for_bit(pair, dat
         steps.append([(row, data.draw(st.lists(st.integers(0, 255), min_size=1, max_size=20))) for row in live])
     steps = [s for s in steps if sum(len(t) for _, t in s) <= stacked.plan.max_step_tokens]
     runs = _stack_runs(stacked, monkeypatch)
-    ours, theirs = _feed(stacked, rows, steps), _feed(walked, rows, steps)
+    ours, theirs = feed_steps(stacked, rows, steps), feed_steps(walked, rows, steps)
     assert len(runs) == len(steps), "every step ran on the stack"
     for a, b in zip(ours, theirs, strict=True):
         assert np.array_equal(a, b)
@@ -145,9 +125,9 @@ def test_a_step_the_stack_does_not_take_walks_the_ops(model, monkeypatch):
     monkeypatch.setattr(Product, "keep_only", lambda self, paths: None)  # every path kept
     driver = _driver(model, True, every_count=False)
     for product in driver.products.on_codes():  # two tokens and more on a float path
-        product.table = [(1, "int8"), (1 << 30, "blocks")]
+        product.table = [(1, INTEGER.name), (1 << 30, "blocks")]
     runs = _stack_runs(driver, monkeypatch)
-    _feed(driver, [0, 1], [[(0, [5, 6, 7])], [(0, [8])], [(0, [9]), (1, [10, 11])], [(1, [12])]])
+    feed_steps(driver, [0, 1], [[(0, [5, 6, 7])], [(0, [8])], [(0, [9]), (1, [10, 11])], [(1, [12])]])
     assert runs == [1, 1], "the one-token steps on the stack, the others op by op"
 
 
@@ -158,7 +138,7 @@ def test_nothing_is_built_after_the_warm_up_whatever_the_token_counts(model):
     assert driver.stack is not None
     built = driver.compiles
     counts = [1, 2, 5, 12, 13, 31, 32, 33, 64, driver.plan.max_step_tokens]
-    _feed(driver, [0], [[(0, [3] * n)] for n in counts if n <= driver.plan.max_step_tokens // 2])
+    feed_steps(driver, [0], [[(0, [3] * n)] for n in counts if n <= driver.plan.max_step_tokens // 2])
     assert driver.compiles == built
 
 
@@ -183,7 +163,7 @@ def test_a_callee_file_changes_the_stacks_cache_stamp(tmp_path, monkeypatch):
 
 
 def test_a_product_shares_only_arrays_like_its_own(pair):
-    product = pair[0].stack.products[0].path("int8")
+    product = pair[0].stack.products[0].path(INTEGER.name)
     codes = product.codes
     with pytest.raises(ValueError, match="must match"):
         product.share(codes[:, 1:], product.scales, product.lane_scales, product.colscale)

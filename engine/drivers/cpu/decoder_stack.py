@@ -17,7 +17,7 @@ import numpy as np
 from ...ops import Program
 from .platform import huge_pages
 from .products import ModelProducts
-from .products.vnni import VnniPath
+from .products.integer import IntegerPath, integer_path
 from .runtime import Runtime
 
 PRODUCTS = ("matmul", "matmul_add")  # the layer's parts decoder_layers takes as products, in order
@@ -46,14 +46,15 @@ class DecoderStack:
     `products`: the Products, four a layer; `pool` (layers, ...): the caches."""
 
     def __init__(self, span: tuple[int, int, int], products: list, pool: np.ndarray, eps: float, heads: int,
-                 runtime: Runtime):
+                 runtime: Runtime, path: str):
         self.first, self.end, self.layers = span
+        self.path = path  # the integer path's name (products/integer.py): the one this process has
         self.products = products
         self.pool = pool
         self.eps, self.heads = np.float32(eps), heads
         self.runtime = runtime
         self.kernel = runtime.kernels.decoder.decoder_layers
-        self.roles = tuple(_stacked([p.path(VnniPath.name) for p in products[role::4]]) for role in range(4))
+        self.roles = tuple(_stacked([p.path(path) for p in products[role::4]]) for role in range(4))
         self.smallest = min(p.shape[0] * p.shape[1] for p in products)  # a token's work in the least product
         self._takes: dict[int, bool] = {}  # by token count: asked every step, fixed once the choice is made
 
@@ -62,7 +63,7 @@ class DecoderStack:
         path for that many."""
         taken = self._takes.get(tokens)
         if taken is None:
-            taken = self._takes[tokens] = all(p.path_for(tokens) == VnniPath.name for p in self.products)
+            taken = self._takes[tokens] = all(p.path_for(tokens) == self.path for p in self.products)
         return taken
 
     def run(self, x: np.ndarray, rope: np.ndarray, layout) -> None:
@@ -74,7 +75,7 @@ class DecoderStack:
                     layout.paged_table_of, layout.paged_lengths, self.eps, self.heads, self.runtime.threads())
 
 
-def _stacked(paths: list[VnniPath]) -> tuple:
+def _stacked(paths: list[IntegerPath]) -> tuple:
     """One role's integer-path arrays over the layers, (codes, d, m, dw, mw, order, colscale),
     each path moved onto its layer's views of them."""
     def stack(arrays: list[np.ndarray]) -> np.ndarray:
@@ -108,13 +109,14 @@ def decoder_stack(program: Program, products: ModelProducts, pool: np.ndarray | 
         if len(names) != 4:  # the kernel computes the layer as its parts were when it was written
             raise ValueError(f"layer {op.layer}'s llama_layer op has {len(names)} products; decoder_layers takes 4")
         layer_products += [products.get(name) for name in names]
-    if any(p is None or VnniPath.name not in p.paths or p.head for p in layer_products):
+    kind = integer_path(runtime)
+    if kind is None or any(p is None or kind.name not in p.paths or p.head for p in layer_products):
         return None
-    paths = [p.path(VnniPath.name) for p in layer_products]
+    paths = [p.path(kind.name) for p in layer_products]
     kinds = [{tuple((a.dtype, a.shape) for a in (p.codes, *p.scales, *p.lane_scales, p.order, p.colscale))
              for p in paths[role::4]} for role in range(4)]
     same_order = all(np.array_equal(p.order, paths[role].order) for role in range(4) for p in paths[role::4])
     layers = [op.layer for op in program.ops[first:end]]
     if any(len(k) != 1 for k in kinds) or not same_order or layers != list(range(len(pool))):
         return None
-    return DecoderStack(span, layer_products, pool, program.eps, program.dims["heads"], runtime)
+    return DecoderStack(span, layer_products, pool, program.eps, program.dims["heads"], runtime, kind.name)

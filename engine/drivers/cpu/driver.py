@@ -84,13 +84,14 @@ class CpuDriver(Driver):
         self.preload()
         memory = self._memory if self._memory is not None else host_memory_bytes()
         return DeviceInfo("numpy", "cpu", memory, CPU_ROWS, token_multiple=mkl.PAD_TOKENS if self._uses_mkl() else 1,
-                          adapter=cpu_name())
+                          adapter=cpu_name(), isa=self.runtime.isa() if self._kernels() else "")
 
     def _half_kv(self) -> bool:
         """The KV cache in float16: decode attention reads every cached key and value each step,
         so its bytes bound it (1.3-1.4x faster at half of them; the cache holds twice the tokens).
-        Kept as uint16 bits, since numba has no float16; only the kernels read it."""
-        return self._want_compact and self._kernels()
+        Kept as uint16 bits, since numba has no float16; only the kernels read it, and only
+        where they can widen it (F16C)."""
+        return self._want_compact and self._kernels() and self.runtime.half_floats()
 
     def kv_bytes_per_token(self, config) -> int:
         return config.kv_bytes_per_token(2 if self._half_kv() else 4)

@@ -1,6 +1,6 @@
 """What the CPU driver's compiled code shares in a process, as one object the driver owns
-(`Runtime`): numba's build (the target CPU and its features, the threading layer, the rule that
-stamps the kernels' on-disk cache, the known-input check), the thread count each kernel runs
+(`Runtime`): numba's build (the target CPU and its features, target.py's choice, the threading
+layer, the rule that stamps the kernels' on-disk cache, the known-input check), the thread count each kernel runs
 on, and the clock of OpenBLAS's spinning threads.
 
 numba fixes its target and threading layer at a process's first compile, so a process has one
@@ -25,6 +25,7 @@ import numpy as np
 
 from ...cache_dir import cache_root
 from . import kernels as kernels_folder
+from . import target
 
 # Multiply-adds below which a kernel runs on the calling thread alone: waking numba's
 # workers costs more than it saves, and a woken worker spins on a core for a while after
@@ -46,7 +47,7 @@ class KernelModules(NamedTuple):
     attention: object
     quantize: object
     blocks: object
-    vnni: object
+    integer: object
     decoder: object
 
 
@@ -113,9 +114,11 @@ class KernelCacheStamp:
 
 class Runtime:
     """The kernels once built (`kernels`, by module), or why they could not be (`error`); the
-    CPU features they were built for; numba's thread count; OpenBLAS's spin clock."""
+    CPU features they were built for; numba's thread count; OpenBLAS's spin clock. `isa`: the
+    instruction sets to compile for (target.py; None: POOT_CPU_ISA's, else the host's)."""
 
-    def __init__(self, cache_stamp: KernelCacheStamp | None = None):
+    def __init__(self, cache_stamp: KernelCacheStamp | None = None, isa: str | None = None):
+        self.requested_isa = target.requested(isa)
         self.kernels: KernelModules | None = None
         self.error: str | None = None
         self.numba = None  # the numba module, once the kernels are built
@@ -153,7 +156,7 @@ class Runtime:
         from numba.core.caching import FunctionCache
 
         self.numba = numba
-        prefer_wide_vectors(numba)
+        target.choose(numba, self.requested_isa)
         keep_cache_with_the_engines(numba)
         # The engine thread and test threads may launch kernels concurrently: the default
         # workqueue layer aborts on that, so ask for a thread-safe one, OpenMP first: MKL's
@@ -187,11 +190,20 @@ class Runtime:
         if not self.available():
             return frozenset()
         if self._features is None:
-            import llvmlite.binding as llvm
+            from .kernels.integer_dot import target_features
 
-            self._features = frozenset((self.numba.config.CPU_FEATURES or llvm.get_host_cpu_features().flatten())
-                                       .split(","))
+            self._features = target_features()
         return self._features
+
+    def isa(self) -> str:
+        """The instruction set the kernels' integer products run on (target.isa), or "" without
+        the kernels."""
+        return target.isa(self.features()) if self.available() else ""
+
+    def half_floats(self) -> bool:
+        """Whether the kernels can widen float16 (F16C; LLVM's software conversion is not
+        linked into numba's code)."""
+        return "+f16c" in self.features()
 
     def cached(self) -> list:
         """Every kernel with an on-disk cache, once built."""
@@ -244,27 +256,6 @@ def shared() -> Runtime:
         if _shared is None:
             _shared = Runtime()
         return _shared
-
-
-def prefer_wide_vectors(numba) -> None:
-    """Lets LLVM use the host's widest vectors. For AVX-512 hosts it prefers 256-bit ones by
-    default (older chips slowed their clock for 512-bit work); here the few-token products
-    ran 1.3-1.7x faster with 512-bit vectors and single-threaded paged attention 1.4x.
-    With VNNI, it also asks for vpdpwssd as one instruction: LLVM's tuning for Intel cores
-    (rocketlake, as a Xeon VM reported itself, and sapphirerapids; not znver4) splits it into
-    vpmaddwd + vpaddd, which compete for the same two vector ports; the multi-token integer
-    products ran 1.5x faster fused (SmolLM2's 32-row products 70 against 43 ms).
-    Applies only if nothing in the process compiled with numba before (the target is set
-    up once); numba's on-disk cache keys its entries by these features."""
-    if numba.config.CPU_NAME is None and numba.config.CPU_FEATURES is None:
-        import llvmlite.binding as llvm
-
-        features = llvm.get_host_cpu_features().flatten()
-        have = features.split(",")
-        if "+avx512f" in have:
-            numba.config.CPU_NAME = llvm.get_host_cpu_name()
-            tuning = ",-prefer-256-bit" + (",+fast-dpwssd" if "+avx512vnni" in have else "")
-            numba.config.CPU_FEATURES = features + tuning
 
 
 def keep_cache_with_the_engines(numba) -> None:

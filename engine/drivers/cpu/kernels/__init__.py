@@ -6,8 +6,9 @@ each runs and on how many threads (the modules above this folder).
     few_token.py        float32 W @ X for a few tokens
     attention.py        paged attention in place (attention_ir, _tile, _query: its LLVM IR)
     quantize.py         the activations quantized to 16 bits a block, for every product on codes
-    vnni.py             integer products on block codes, AVX-512 VNNI (vnni_tile.py: its LLVM IR)
-    vnni_layout.py      how the integer kernels hold codes and scales (plain NumPy, laid out once)
+    integer.py          integer products on block codes (integer_tile.py: its LLVM IR, on
+                        integer_dot.py's dot product: AVX-512 VNNI or AVX2)
+    integer_layout.py   how the integer kernels hold codes and scales (plain NumPy, laid out once)
     blocks.py           products on block codes widened to float32 a block at a time
     decoder.py          a Llama decoder stack in one call, from the kernels above
     sizes.py            the sizes the kernels compile in that the policy reads too (no numba)

@@ -1,7 +1,7 @@
 """A Llama-family decoder stack in one compiled call: for every layer, the norm, the QKV
 product, rotary with the KV write, paged attention, the output product added to the
 residual, the norm, gate/up, SiLU times up and the down product added. The same kernels the
-op-by-op walk calls (glue.py, vnni.py, attention.py), in the same order on the same values, so a
+op-by-op walk calls (glue.py, integer.py, attention.py), in the same order on the same values, so a
 token's result is the same bits either way; what goes is the 270 trips through Python a step
 of SmolLM2 took between them (decoder_stack.py says when this runs). Its machine code holds
 theirs, so its cache stamp covers their files (runtime.py's KernelCacheStamp).
@@ -14,9 +14,9 @@ from numba import njit
 
 from .attention import paged_attention
 from .glue import rms_run, rms_scale, rope_run, rope_store, silu_mul, silu_rows
+from .integer import int8_product
 from .numeric import ERRORS, FASTMATH
 from .sizes import GLUE_PARALLEL_MIN, TOKEN_RUN
-from .vnni import int8_product
 
 
 @njit(inline="always", boundscheck=False, error_model=ERRORS)
@@ -47,7 +47,7 @@ def decoder_layers(x, qkv_w, out_w, gate_up_w, down_w, kv, rope, block, offset, 
     """x (hidden, T) feature-major, the residual stream, updated in place through every layer.
     qkv_w, out_w, gate_up_w, down_w: each layer's product of that role as
     (codes, d, m, dw, mw, order, colscale), the integer path's arrays
-    (products/vnni.py's VnniPath) stacked over the layers (order: the same for all);
+    (products/integer.py's IntegerPath) stacked over the layers (order: the same for all);
     kv (layers, ...) every layer's paged cache; rope (T, head_dim) cos, sin interleaved;
     block, offset: each token's KV slot; tables, table_of, lengths: the paged queries' (every
     token is one); threads: numba's thread count (for the runs of the glue kernels)."""

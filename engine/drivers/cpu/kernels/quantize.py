@@ -1,7 +1,7 @@
 """The activations as every product on block codes takes them: quantized to 16 bits per block
 of 32, v = round(x * colscale / dx) in -LEVELS..LEVELS, dx = max |x * colscale| / LEVELS
-per block (vnni.py says why 16 bits). `quantize_words` gives the integer kernel's layout
-(vnni_layout.py); `quantize` the plain one, and `dequantize` its values for the float paths.
+per block (integer.py says why 16 bits). `quantize_words` gives the integer kernel's layout
+(integer_layout.py); `quantize` the plain one, and `dequantize` its values for the float paths.
 """
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from .integer_layout import BLOCK, GROUP
 from .numeric import ERRORS, FASTMATH
-from .vnni_layout import BLOCK, GROUP
 
 LEVELS = 127 * 256 + 127  # an activation's most magnitude: 256 qh + ql with qh, ql signed bytes
 SERIAL_QUANTIZE = 1 << 13  # activations up to this many are quantized on the calling thread

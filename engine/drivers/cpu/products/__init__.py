@@ -3,7 +3,8 @@ class of its own (path.py), a product per matrix choosing among its paths by tok
 (product.py), the choice measured once when the driver prepares (choice.py), and a prepared
 model's products by weight name (model_products.py).
 
-    int8        integer dot products on the codes, AVX-512 VNNI        vnni.py
+    int8        integer dot products on the codes, AVX-512 VNNI        integer.py
+    avx2        the same sums on AVX2 (vpmaddwd), the same bits        integer.py
     blocks      the codes widened to float32, one block at a time      float_block.py
     mkl         MKL's packed GEMM on float32 values                    mkl.py
     openblas    NumPy's BLAS on float32 values                         blas.py

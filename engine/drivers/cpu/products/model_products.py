@@ -15,6 +15,7 @@ from ..runtime import Runtime
 from . import choice
 from .choice_cache import ChoiceCache, Stored, choice_key, now_utc
 from .contention import Contention
+from .integer import INTEGER_PATHS
 from .product import Product, coded_product, float_product
 from .registry import CODE_PATHS
 
@@ -170,7 +171,7 @@ def _quiet_now() -> bool:
 
 def allowed_paths(use_mkl: bool, int8: bool) -> tuple[str, ...]:
     """The paths on codes a driver lets its products take (before what the machine has)."""
-    return tuple(k.name for k in CODE_PATHS if (k.name != "mkl" or use_mkl) and (k.name != "int8" or int8))
+    return tuple(k.name for k in CODE_PATHS if (k.name != "mkl" or use_mkl) and (int8 or k not in INTEGER_PATHS))
 
 
 def _group(codes, name: str, head: str | None) -> tuple:

@@ -7,9 +7,9 @@ output head (the logits come back one row per token); added into `out` when give
 residual adds). The product (product.py) picks which path runs for how many tokens, sets
 numba's threads and keeps OpenBLAS's clock; a path only computes.
 
-Adding a way (an AVX2 integer path: vpmaddwd pairs into int32 where VNNI has vpdpwssd; an Arm
-NEON one: sdot): a subclass with its `name`, `available()` (what the CPU and the process must
-have), `fits()` (the shapes it takes) and `run()`, and its class in registry.py. The choice
+Adding a way (an Arm NEON integer path, sdot, beside the AVX-512 VNNI and AVX2 ones): a
+subclass with its `name`, `available()` (what the CPU and the process must have), `fits()`
+(the shapes it takes) and `run()`, and its class in registry.py. The choice
 among a matrix's paths is measured when the driver prepares (choice.py), whatever they are.
 """
 

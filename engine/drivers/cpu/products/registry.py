@@ -8,11 +8,11 @@ from __future__ import annotations
 from .blas import BlasPath
 from .few_tokens import FewTokenPath
 from .float_block import FloatBlockPath
+from .integer import INTEGER_PATHS
 from .mkl import MklPath
-from .vnni import VnniPath
 
-# A matrix on block codes: integer dot products first (each instruction set a path of its own;
-# an AVX2 path, vpmaddwd, and an Arm NEON path, sdot, go beside VnniPath), then the float ones.
-CODE_PATHS = (VnniPath, FloatBlockPath, MklPath, BlasPath)
+# A matrix on block codes: integer dot products first (each instruction set a path of its own,
+# products/integer.py; an Arm NEON path, sdot, would go beside them), then the float ones.
+CODE_PATHS = (*INTEGER_PATHS, FloatBlockPath, MklPath, BlasPath)
 # A float32 matrix: its few tokens, then more on MKL's packed copy or on BLAS (product.py).
 FLOAT_PATHS = (FewTokenPath, MklPath, BlasPath)

@@ -1,6 +1,7 @@
 """Integer products on block codes (engine/models/block_codes.py): the activations quantized to
 16 bits per block of 32 (quantize.py), each block's dot product computed exactly in int32 by
-AVX-512 VNNI's vpdpwssd (32 products of two 16-bit words an instruction), then scaled in float32:
+the CPU's integer dot product (integer_dot.py: AVX-512 VNNI's vpdpwssd, 32 products of two
+16-bit words an instruction, or AVX2's vpmaddwd and vpaddd), then scaled in float32:
 
     out[r, t] = sum_b dx[t, b] * (d[r, b] * (u[r, b] . v[t, b]) + m'[r, b] * sum(v[t, b]))
 
@@ -10,8 +11,9 @@ colscale| / LEVELS per block, one int16 each. One byte (v in -127..127, as llama
 activations) moved SmolLM2's logits by up to 7% of the largest and changed 19 of 64 greedy
 continuations (12 tokens each); 16 bits, 6e-4 and none.
 
-The tiles are vnni_tile.py's; the codes and scales laid out by vnni_layout.py. Needs avx512bw
-and avx512vnni (products/vnni.py's VnniPath); compiled only where the CPU has them.
+The tiles are integer_tile.py's, shaped for the route's registers; the codes and scales laid
+out by integer_layout.py. Compiled only where the CPU has a route (products/integer.py). Every
+route sums a (row, token) in the same order: the same bits on either instruction set.
 """
 
 from __future__ import annotations
@@ -19,23 +21,24 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .numeric import ERRORS, FASTMATH
-from .quantize import quantize_words
-from .vnni_tile import (
-    COLUMN,
-    PAIR,
-    WIDE,
+from .integer_tile import (
+    SHAPE,
     tile_column_4,
+    tile_few,
+    tile_few_4,
+    tile_many,
+    tile_many_4,
     tile_one,
     tile_one_4,
-    tile_pair,
-    tile_pair_4,
-    tile_wide,
-    tile_wide_4,
 )
+from .numeric import ERRORS, FASTMATH
+from .quantize import quantize_words
 
 ROWS_PER_TASK = 32
-PAIR_TOKENS, WIDE_TOKENS = 2, 4  # tokens from which a product's tiles are 2 x 2, 4 x 4 (vnni_tile.py)
+MANY_ROWS, MANY_TOKENS = SHAPE.many  # this route's tiles (integer_tile.py)
+FEW_ROWS, FEW_TOKENS = SHAPE.few
+COLUMN = SHAPE.column
+ONE, FEW, MANY = 0, 1, 2  # which tile _tile runs
 L1_WAYS = 8  # lines a level-1 data cache set holds (8 or more on x86-64 CPUs since 2008)
 
 
@@ -77,46 +80,46 @@ def int8_matmul(codes, d, m, dw, mw, v, dx, c, out, token_major, add):
 
 @njit(inline="always", fastmath=FASTMATH, boundscheck=False, error_model=ERRORS)
 def _task_tiles(codes, d, m, dw, mw, v, dx, c, out, r0, r1, rs, ts, first, nibbles):
-    """Rows r0 .. r1 of the product for every token, tile by tile, into out (see _make_tile
+    """Rows r0 .. r1 of the product for every token, tile by tile, into out (see make_tile
     for rs, ts and first). The tiles differ in how many sums they keep in flight, not in how a
     sum is taken: a (row, token)'s result is the same in any of them."""
     tokens = v.shape[0]
-    side = WIDE if tokens >= WIDE_TOKENS else PAIR if tokens >= PAIR_TOKENS else 1
+    step = MANY_ROWS if tokens >= MANY_TOKENS else FEW_ROWS if tokens >= FEW_TOKENS else 0  # rows a pass
     r = r0
     while nibbles and tokens == 1 and r + COLUMN <= r1:  # a lone token: COLUMN rows a tile
         tile_column_4(codes, d, m, v, dx, c, out, r, 0, rs, ts, first)
         r += COLUMN
-    while side > 1 and r + side <= r1:  # side x side tiles, the tokens left in pairs, then one by one
+    while step > 0 and r + step <= r1:  # the many-token tiles, the tokens left in few-token ones, then one by one
         t = 0
-        while t + side <= tokens:
-            _tile(codes, d, m, dw, mw, v, dx, c, out, r, t, rs, ts, first, side, nibbles)
-            t += side
-        while t + PAIR <= tokens and side > PAIR:
-            for rr in range(r, r + side, PAIR):
-                _tile(codes, d, m, dw, mw, v, dx, c, out, rr, t, rs, ts, first, PAIR, nibbles)
-            t += PAIR
-        for rr in range(r, r + side):
+        while step == MANY_ROWS and t + MANY_TOKENS <= tokens:
+            _tile(codes, d, m, dw, mw, v, dx, c, out, r, t, rs, ts, first, MANY, nibbles)
+            t += MANY_TOKENS
+        while t + FEW_TOKENS <= tokens:
+            for rr in range(r, r + step, FEW_ROWS):
+                _tile(codes, d, m, dw, mw, v, dx, c, out, rr, t, rs, ts, first, FEW, nibbles)
+            t += FEW_TOKENS
+        for rr in range(r, r + step):
             for tt in range(t, tokens):
-                _tile(codes, d, m, dw, mw, v, dx, c, out, rr, tt, rs, ts, first, 1, nibbles)
-        r += side
+                _tile(codes, d, m, dw, mw, v, dx, c, out, rr, tt, rs, ts, first, ONE, nibbles)
+        r += step
     for rr in range(r, r1):  # the rows left
         for t in range(tokens):
-            _tile(codes, d, m, dw, mw, v, dx, c, out, rr, t, rs, ts, first, 1, nibbles)
+            _tile(codes, d, m, dw, mw, v, dx, c, out, rr, t, rs, ts, first, ONE, nibbles)
 
 
 @njit(inline="always", fastmath=FASTMATH, boundscheck=False, error_model=ERRORS)
-def _tile(codes, d, m, dw, mw, v, dx, c, flat, r, t, rs, ts, first, side, nibbles):
+def _tile(codes, d, m, dw, mw, v, dx, c, flat, r, t, rs, ts, first, which, nibbles):
     if nibbles:
-        if side == WIDE:
-            tile_wide_4(codes, dw, mw, v, dx, c, flat, r, t, rs, ts, first)
-        elif side == PAIR:
-            tile_pair_4(codes, dw, mw, v, dx, c, flat, r, t, rs, ts, first)
+        if which == MANY:
+            tile_many_4(codes, dw, mw, v, dx, c, flat, r, t, rs, ts, first)
+        elif which == FEW:
+            tile_few_4(codes, dw, mw, v, dx, c, flat, r, t, rs, ts, first)
         else:
             tile_one_4(codes, d, m, v, dx, c, flat, r, t, rs, ts, first)
-    elif side == WIDE:
-        tile_wide(codes, dw, mw, v, dx, c, flat, r, t, rs, ts, first)
-    elif side == PAIR:
-        tile_pair(codes, dw, mw, v, dx, c, flat, r, t, rs, ts, first)
+    elif which == MANY:
+        tile_many(codes, dw, mw, v, dx, c, flat, r, t, rs, ts, first)
+    elif which == FEW:
+        tile_few(codes, dw, mw, v, dx, c, flat, r, t, rs, ts, first)
     else:
         tile_one(codes, d, m, v, dx, c, flat, r, t, rs, ts, first)
 

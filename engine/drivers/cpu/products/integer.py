@@ -1,37 +1,44 @@
-"""Integer products on AVX-512 VNNI (kernels/vnni.py): the codes laid out once in the kernel's
-order (kernels/vnni_layout.py), 4-bit codes two a byte (a one-token product is bound by the
-bytes it reads), the block scales as float16 where that holds them exactly (a 4-bit block is
-20 bytes instead of 24), and large codes on 2 MiB pages. Measured on SmolLM2-135M (2-core Zen
-4): the products of a one-token step take 3-4 ms here against 13 on the float block path and
-20 on float32."""
+"""Integer products on block codes (kernels/integer.py), a class per instruction set: the codes
+laid out once in the kernel's order (kernels/integer_layout.py), 4-bit codes two a byte (a
+one-token product is bound by the bytes it reads), the block scales as float16 where that holds
+them exactly (a 4-bit block is 20 bytes instead of 24), and large codes on 2 MiB pages.
+Measured on SmolLM2-135M (2-core Zen 4, AVX-512 VNNI): the products of a one-token step take
+3-4 ms here against 13 on the float block path and 20 on float32.
+
+The kernel is built for one dot-product route a process (kernels/integer_dot.py: the one
+numba's target allows), so at most one of these paths is available in a process. Every route
+sums a (row, token) in the same order: a token's logits do not depend on the instruction set.
+An Arm NEON path (sdot) would be one more subclass, with its route in integer_dot.py."""
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import numpy as np
 
-from ..kernels.vnni_layout import arrange_codes, half_scales, lane_scales
+from ..kernels import integer_dot
+from ..kernels.integer_layout import arrange_codes, half_scales, lane_scales
 from ..platform import huge_pages
 from .path import Path
 from .quantized import BLOCK, Codes
 
-FEATURES = ("+avx512bw", "+avx512vnni")
 
+class IntegerPath(Path):
+    """`route`: the dot product (kernels/integer_dot.py) the kernel must have been built on."""
 
-class VnniPath(Path):
-    name = "int8"
+    route: ClassVar[str]
     numba_kernel = True
 
     @classmethod
     def available(cls, runtime) -> bool:
-        features = runtime.features()
-        return all(f in features for f in FEATURES)
+        return integer_dot.route_for(runtime.features()) == cls.route
 
     @classmethod
     def fits(cls, shape: tuple[int, int]) -> bool:
         return shape[1] % (2 * BLOCK) == 0  # the integer tile takes blocks in pairs
 
     @classmethod
-    def of_codes(cls, codes: Codes, head: bool, runtime) -> VnniPath:
+    def of_codes(cls, codes: Codes, head: bool, runtime) -> IntegerPath:
         return cls(codes, head, runtime.kernels)
 
     def __init__(self, codes: Codes, head: bool, kernels):
@@ -41,11 +48,11 @@ class VnniPath(Path):
         self.rows = codes.shape[0]
         self.colscale = codes.colscale
         self.set_scales(*(half_scales(codes.d, codes.m) or (codes.d, codes.m)))
-        self._product = kernels.vnni.int8_product
+        self._product = kernels.integer.int8_product
 
     def set_scales(self, d: np.ndarray, m: np.ndarray) -> None:
         """The block scales (d, m as they are, or as float16 bits), and the same laid out in
-        the kernel's lanes (kernels/vnni_layout.lane_scales) for its tiles of several tokens."""
+        the kernel's lanes (kernels/integer_layout.lane_scales) for its tiles of several tokens."""
         self.scales = (d, m)
         self.lane_scales = (lane_scales(d), lane_scales(m, lone=True))
 
@@ -70,3 +77,25 @@ class VnniPath(Path):
     def bytes_read(self, tokens: int) -> int:
         d, m = self.scales if tokens == 1 else self.lane_scales  # a lone token's tiles read the block scales
         return self.codes.nbytes + d.nbytes + m.nbytes
+
+
+class VnniPath(IntegerPath):
+    """AVX-512 VNNI (vpdpwssd on 512-bit vectors)."""
+
+    name = "int8"
+    route = "vpdpwssd"
+
+
+class Avx2Path(IntegerPath):
+    """AVX2 (vpmaddwd and vpaddd on 256-bit vectors): Intel since Haswell, AMD since Zen 1."""
+
+    name = "avx2"
+    route = "vpmaddwd"
+
+
+INTEGER_PATHS = (VnniPath, Avx2Path)
+
+
+def integer_path(runtime) -> type[IntegerPath] | None:
+    """The integer path this process has, or None."""
+    return next((kind for kind in INTEGER_PATHS if kind.available(runtime)), None)

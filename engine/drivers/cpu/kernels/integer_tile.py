@@ -1,36 +1,69 @@
-"""The integer kernel's inner loop as LLVM IR (`tile`), for AVX-512 VNNI.
+"""The integer kernel's inner loop as LLVM IR (`tile`), on this process's dot product
+(integer_dot.py: AVX-512 VNNI or AVX2).
 
 Why not numba alone: LLVM vectorizes a long int8 reduction into VNNI but left the per-block
 one (32 terms, then a float scale) scalar, at a quarter of the float kernel's speed. So the
 inner loop is written here as LLVM IR: for a tile of rows by tokens it keeps one 16-lane float
 accumulator per (row, token), over codes and activations in the kernel's own order
-(vnni_layout.py). No horizontal sum happens until the end of the row. A (row, token)'s sum is
+(integer_layout.py). No horizontal sum happens until the end of the row. A (row, token)'s sum is
 computed in the same order whatever the tile or the token count, so a token's result does not
 depend on what else is in the step.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .vnni_layout import BLOCK, GROUP
+from . import integer_dot
+from .integer_layout import BLOCK, GROUP
 
-# Tiles by token count, measured on SmolLM2's shapes (2-core Zen 4, products of 1-24 tokens
-# interleaved in one run): a lone token's rows two at a time (below), 2 x 2 tiles for two or
-# three, 4 x 4 (16 sums, 4 rows' codes and a token's within the 32 vector registers) from four,
-# the tokens left over in pairs. 4 x 4 tiles reach 90-100 G multiply-adds/s on the two cores.
-# A lone token takes 4-bit rows two at a time (COLUMN; byte codes one): one row's sum is a chain of dependent
-# steps (dot products, scale, horizontal sum) that left the core idle between rows; two in
-# flight ran a one-token product 2.3x faster with the codes in cache (576 x 576 on one thread:
-# 10.9 against 25.2 us), a step's 120 layer products out of cache 1.03-1.1x faster (separate
-# processes, alternated). Four rows: no faster. Byte codes (a Q8_0 head) stay one row a tile:
-# two were slower there (1.10 against 0.75 ms for SmolLM2's head).
-PAIR, WIDE = 2, 4
-COLUMN = 2
-CHAINS = 4  # a dot product's latency over its throughput: a lone (row, token) splits its sum
+
+class Shapes(NamedTuple):
+    """The tiles a route's kernel takes: `many` (rows, tokens) from many[1] tokens, `few` for
+    fewer and for the tokens left over (few[0] divides many[0]), one (row, token) at a time for
+    the rest; a lone token's 4-bit rows `column` at a time; `chains`: independent sums a lone
+    (row, token) keeps in flight (a dot product's latency over its throughput); `rolled`: a
+    run's chunks as a loop, else written out one after another."""
+
+    many: tuple[int, int]
+    few: tuple[int, int]
+    column: int
+    chains: int
+    rolled: bool
+
+
+SHAPES = {
+    # Measured on SmolLM2's shapes (2-core Zen 4, products of 1-24 tokens interleaved in one
+    # run): 4 x 4 tiles from four tokens (16 sums, 4 rows' codes and a token's within the 32
+    # vector registers), 2 x 2 for two or three and the tokens left over; 4 x 4 tiles reach
+    # 90-100 G multiply-adds/s on the two cores. A lone token takes 4-bit rows two at a time:
+    # one row's sum is a chain of dependent steps (dot products, scale, horizontal sum) that
+    # left the core idle between rows; two in flight ran a one-token product 2.3x faster with
+    # the codes in cache (576 x 576 on one thread: 10.9 against 25.2 us), a step's 120 layer
+    # products out of cache 1.03-1.1x faster (separate processes, alternated). Four rows: no
+    # faster. Byte codes (a Q8_0 head) stay one row a tile: two were slower there (1.10
+    # against 0.75 ms for SmolLM2's head).
+    "vpdpwssd": Shapes(many=(4, 4), few=(2, 2), column=2, chains=4, rolled=False),
+    # AVX2 has 16 vector registers of 256 bits: a (row, token)'s int32 sums take two, its float
+    # accumulator two. So one row a tile, its codes unpacked once for the tile's tokens, the
+    # tokens' activations read from memory by vpmaddwd itself. Measured on SmolLM2's three
+    # layer shapes (ten matrices each, one thread's CPU time, the least of 9 rounds, the tiles
+    # interleaved in one process; a 2-core Xeon, AVX-512 off): 1 x 4 from four tokens and
+    # 1 x 3 below ran as fast as 1 x 6 with 1 x 2 or 1 x 3 at 6-32 tokens and 1.1-1.3x faster
+    # at 3-5 (30 QKV products at 3 tokens: 1.65 against 2.04 ms with 1 x 2 and a 1 x 1 tile);
+    # an earlier run had 1 x 4 and 1 x 6 at 1.05-1.2x the speed of 2 x 2, 2 x 3, 2 x 4 and of
+    # VNNI's own 4 x 4 and 2 x 2, which spilled 11 vectors to the stack per sum and chunk. The
+    # chunks as a loop: 1.03-1.10x faster than written out (LLVM had hoisted the unpacking of
+    # later chunks and spilled it). vpaddd, the only dependent step, takes a cycle: one chain.
+    "vpmaddwd": Shapes(many=(1, 4), few=(1, 3), column=2, chains=1, rolled=True),
+}
+ROUTE = integer_dot.route()  # this process's (None: no integer products here; nothing compiles them)
+SHAPE = SHAPES[ROUTE or "vpdpwssd"]
 # Codes are asked for this many rows ahead of the tile, into L2 (llvm.prefetch locality 2): 16
 # rows into L1 ran a step's one-token products in 3.55-3.75 ms, 32 into L2 in 3.18-3.31 (48 and
 # 64: no better); 48 or 128 rows into L1 were 1.5x slower (L1 holds 32 KiB, fewer lines than that).
@@ -43,7 +76,7 @@ _V16I, _V16F = ir.VectorType(_I32, 16), ir.VectorType(_F32, 16)
 _V32W = ir.VectorType(ir.IntType(16), 32)
 
 
-def _make_tile(rows: int, tokens: int, nibbles: bool, lane_weights: bool):
+def make_tile(rows: int, tokens: int, nibbles: bool, lane_weights: bool, route: str | None, shape: Shapes):
     """An intrinsic adding a rows x tokens tile's products to out: for each (r, t) of the tile,
     out[(r0 + r - first) * rs + (t0 + t) * ts] += sum over blocks of d dx (u . v) + m' c, codes and
     activations in kernel order (see `kernel_order`), dx and c in lane layout (lane_scales).
@@ -52,9 +85,10 @@ def _make_tile(rows: int, tokens: int, nibbles: bool, lane_weights: bool):
     unpacked in registers. `lane_weights`: d and m in lane layout too (several tokens' tiles,
     where each run's scales serve many products); else as the file has them, a block a
     scale (a lone token's tiles, which bandwidth bounds: fewer bytes). The same values in the
-    same lanes either way, so a sum's result does not depend on which tile took it."""
+    same lanes either way, so a sum's result does not depend on which tile took it. `route`:
+    the dot product (integer_dot.py); `shape`: its chains and whether its chunks loop."""
     group = GROUP
-    chains = max(1, CHAINS // (rows * tokens))  # independent sums a tile keeps in flight
+    chains = max(1, shape.chains // (rows * tokens))  # independent sums a tile keeps in flight
     # Codes asked for PREFETCH_ROWS ahead: a step's one-token products (2 x 1 tiles) ran in
     # 2.7-3.1 ms with, 3.2-3.3 without; 1.0-1.3x faster at 2-8 tokens. A 1 x 1 tile (a lone
     # token's last row) is left to the hardware's prefetchers, which follow one ordered stream.
@@ -93,8 +127,7 @@ def _make_tile(rows: int, tokens: int, nibbles: bool, lane_weights: bool):
             dx_rows = [row(dx_s.data, at(k, t0), lanes_a_token, _F32) for k in range(tokens)]
             c_rows = [row(c_s.data, at(k, t0), lanes_a_token, _F32) for k in range(tokens)]
             module = builder.module
-            dot = cgutils.get_or_insert_function(module, ir.FunctionType(_V16I, [_V16I] * 3),
-                                                 "llvm.x86.avx512.vpdpwssd.512")
+            dot = integer_dot.emitter(builder, route)
             fma = cgutils.get_or_insert_function(module, ir.FunctionType(_V16F, [_V16F] * 3), "llvm.fma.v16f32")
             acc = [[cgutils.alloca_once_value(builder, ir.Constant(_V16F, None)) for _ in range(tokens)]
                    for _ in range(rows)]
@@ -141,6 +174,30 @@ def _make_tile(rows: int, tokens: int, nibbles: bool, lane_weights: bool):
                 picks = [lane // lanes if not lone or lane % lanes == 0 else count for lane in range(16)]
                 return builder.shuffle_vector(s, ir.Constant(s.type, None), ir.Constant(ir.VectorType(_I32, 16), picks))
 
+            def products(chunk, j, sums):
+                """sums, each (row, token)'s, plus its products over chunk `chunk` (the j-th of its run)."""
+                for c in code_rows if prefetching else ():  # the rows a few tiles on, at the same place
+                    where = builder.gep(c, [builder.add(builder.mul(chunk, chunk_bytes), ahead)])
+                    builder.call(prefetch, [where, ir.Constant(_I32, 0), ir.Constant(_I32, 2), ir.Constant(_I32, 1)])
+                u = [codes_at(c, chunk) for c in code_rows]
+                sums = [[list(chained) for chained in by_token] for by_token in sums]
+                for t in range(tokens):
+                    a = activations_at(v_rows[t], chunk)
+                    for r in range(rows):
+                        for half_ in range(2):
+                            chain = (2 * j + half_) % chains
+                            sums[r][t][chain] = dot(sums[r][t][chain], u[r][half_], a[half_])
+                return sums
+
+            def store(sums, cells):
+                for by_row, cell_row in zip(sums, cells, strict=True):
+                    for by_token, cell_token in zip(by_row, cell_row, strict=True):
+                        for value, cell in zip(by_token, cell_token, strict=True):
+                            builder.store(value, cell)
+
+            def load(cells):
+                return [[[builder.load(cell) for cell in by_token] for by_token in by_row] for by_row in cells]
+
             def span(count, first_block, first_chunk, first_run, size):
                 """`count` runs of `size` blocks from block first_block (chunk first_chunk, run
                 first_run): each run's products summed exactly in int32, then scaled once."""
@@ -150,19 +207,16 @@ def _make_tile(rows: int, tokens: int, nibbles: bool, lane_weights: bool):
                     block0 = builder.add(first_block, builder.mul(k, ir.Constant(k.type, size)))
                     lane0 = builder.mul(builder.add(first_run, k), ir.Constant(k.type, 16))
                     sums = [[[zero] * chains for _ in range(tokens)] for _ in range(rows)]
-                    for j in range(size // 2):
-                        chunk = at(j, chunk0)
-                        for c in code_rows if prefetching else ():  # the rows a few tiles on, at the same place
-                            where = builder.gep(c, [builder.add(builder.mul(chunk, chunk_bytes), ahead)])
-                            builder.call(prefetch, [where, ir.Constant(_I32, 0), ir.Constant(_I32, 2),
-                                                    ir.Constant(_I32, 1)])
-                        u = [codes_at(c, chunk) for c in code_rows]
-                        for t in range(tokens):
-                            a = activations_at(v_rows[t], chunk)
-                            for r in range(rows):
-                                for half_ in range(2):
-                                    chain = (2 * j + half_) % chains
-                                    sums[r][t][chain] = builder.call(dot, [sums[r][t][chain], u[r][half_], a[half_]])
+                    if shape.rolled:  # sums kept in stack slots, which LLVM lifts into registers
+                        cells = [[[cgutils.alloca_once(builder, _V16I) for _ in range(chains)] for _ in range(tokens)]
+                                 for _ in range(rows)]
+                        store(sums, cells)
+                        with cgutils.for_range(builder, ir.Constant(k.type, size // 2)) as inner:
+                            store(products(builder.add(chunk0, inner.index), 0, load(cells)), cells)
+                        sums = load(cells)
+                    else:
+                        for j in range(size // 2):
+                            sums = products(at(j, chunk0), j, sums)
                     # The offsets' term m' * c, a block a lane (one lane of a block spread over several).
                     if lane_weights:
                         ds = [scales_at(s, lane0, 16, scale_kind) for s in d_rows]
@@ -200,10 +254,13 @@ def _make_tile(rows: int, tokens: int, nibbles: bool, lane_weights: bool):
     return tile
 
 
-tile_wide = _make_tile(WIDE, WIDE, False, True)
-tile_pair = _make_tile(PAIR, PAIR, False, True)
-tile_one = _make_tile(1, 1, False, False)
-tile_wide_4 = _make_tile(WIDE, WIDE, True, True)
-tile_pair_4 = _make_tile(PAIR, PAIR, True, True)
-tile_one_4 = _make_tile(1, 1, True, False)
-tile_column_4 = _make_tile(COLUMN, 1, True, False)
+
+def _tiles(rows: int, tokens: int, lane_weights: bool = True):
+    """The tile for byte codes and for 4-bit ones, on this process's route."""
+    return tuple(make_tile(rows, tokens, nibbles, lane_weights, ROUTE, SHAPE) for nibbles in (False, True))
+
+
+tile_many, tile_many_4 = _tiles(*SHAPE.many)
+tile_few, tile_few_4 = _tiles(*SHAPE.few)
+tile_one, tile_one_4 = _tiles(1, 1, lane_weights=False)
+tile_column_4 = make_tile(SHAPE.column, 1, True, False, ROUTE, SHAPE)

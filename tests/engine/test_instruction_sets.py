@@ -1,0 +1,117 @@
+"""The CPU driver on every instruction set this machine can compile for (engine/drivers/cpu/
+target.py, POOT_CPU_ISA): the host's own, AVX2 without AVX-512, and the x86-64 baseline. numba
+fixes its target per process, so each runs in a process of its own (isa_probe.py); an AVX-512
+machine thus checks what a CPU without AVX-512 runs, and compares the two bit for bit.
+
+- The integer products are the same bits on AVX2 as on AVX-512 VNNI (or as natively, on a
+  host whose own instruction set is AVX2).
+- The instruction set never changes the plan's rows or positions; the plan names it.
+- Without AVX2 the driver still serves, on the float paths.
+- The integer path's own tests pass on AVX2.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from poot.engine.drivers.cpu import target
+from poot.engine.drivers.cpu.runtime import shared
+
+from .harness import HALF_KV_RELATIVE
+
+runtime = shared()
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = [pytest.mark.skipif(not runtime.available(), reason=runtime.unavailable_reason()),
+              pytest.mark.skipif(not all(f in target.host_features() for f in target.NEEDS["avx2"]),
+                                 reason="this CPU cannot run AVX2 code")]
+# The instruction sets' logits differ where the glue between products sums floats: each
+# target vectorizes those sums at its own width (16 lanes or 8), so in another order.
+ACROSS_TARGETS_RELATIVE = 1e-3
+
+
+def _env(mode: str) -> dict[str, str]:
+    return {**os.environ, target.VARIABLE: mode}
+
+
+@functools.cache
+def _probe(mode: str, folder: str) -> dict[str, np.ndarray]:
+    out = Path(folder) / f"{mode}.npz"
+    done = subprocess.run([sys.executable, "-m", "tests.engine.isa_probe", str(out)], cwd=ROOT, env=_env(mode),
+                          capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stderr[-3000:]
+    with np.load(out) as data:
+        arrays = {k: data[k] for k in data.files}
+    arrays["facts"] = json.loads(str(arrays["facts"]))
+    return arrays
+
+
+@pytest.fixture(scope="module")
+def probe(tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("isa"))
+    return lambda mode: _probe(mode, folder)
+
+
+def _products(arrays: dict) -> list[str]:
+    return sorted(k for k in arrays if "/" in k and not k.startswith("logits/"))
+
+
+def _logits(arrays: dict) -> list[str]:
+    return sorted(k for k in arrays if k.startswith("logits/"))
+
+
+def test_the_integer_products_are_the_same_bits_on_avx2_as_natively(probe):
+    native, avx2 = probe("native"), probe("avx2")
+    assert avx2["facts"]["path"] == "avx2" and avx2["facts"]["isa"] == "avx2"
+    assert native["facts"]["path"] is not None, "a host that runs AVX2 has an integer path natively"
+    keys = _products(native)
+    assert keys == _products(avx2) and len(keys) > 600
+    differing = [k for k in keys if not np.array_equal(native[k], avx2[k])]
+    assert not differing, f"{len(differing)} of {len(keys)} products differ, e.g. {differing[:5]}"
+
+
+def test_no_instruction_set_changes_the_plans_rows_or_positions(probe):
+    facts = {mode: probe(mode)["facts"] for mode in target.CHOICES}
+    assert {(f["rows"], f["positions"]) for f in facts.values()} == {(facts["native"]["rows"], facts["native"]["positions"])}
+    assert facts["avx2"]["num_blocks"] == facts["native"]["num_blocks"]
+    assert facts["avx2"]["kv"] == facts["native"]["kv"] == "uint16" and facts["avx2"]["stack"]
+    assert facts["native"]["isa"] == target.isa(target.host_features())
+    assert facts["x86-64"]["isa"] == "x86-64"
+
+
+def test_avx2s_logits_are_the_native_ones_to_float_rounding(probe):
+    native, avx2 = probe("native"), probe("avx2")
+    for key in _logits(native):
+        scale = np.abs(native[key]).max()
+        np.testing.assert_allclose(avx2[key], native[key], rtol=0, atol=ACROSS_TARGETS_RELATIVE * scale, err_msg=key)
+
+
+def test_a_cpu_without_avx2_serves_on_the_float_paths(probe):
+    """No integer path, no float16 KV (nothing to widen it with), the same logits to the float
+    paths' and the KV cache's rounding."""
+    native, baseline = probe("native"), probe("x86-64")
+    assert baseline["facts"]["path"] is None and baseline["facts"]["kv"] == "float32"
+    assert not _products(baseline) and _logits(baseline) == _logits(native)
+    for key in _logits(native):
+        scale = np.abs(native[key]).max()
+        np.testing.assert_allclose(baseline[key], native[key], rtol=0, atol=HALF_KV_RELATIVE * scale, err_msg=key)
+
+
+def test_the_integer_paths_own_tests_pass_on_avx2():
+    files = ["tests/engine/test_block_products.py", "tests/engine/test_decoder_stack.py",
+             "tests/engine/test_int8_codegen.py"]
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", *files], cwd=ROOT,
+                          env=_env("avx2"), capture_output=True, text=True, timeout=1800)
+    summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr[-2000:]
+    assert done.returncode == 0, done.stdout[-4000:]
+    # Only the VNNI tile's checks may skip there; everything on the integer path must run.
+    skipped = [line for line in done.stdout.splitlines() if line.startswith("SKIPPED")]
+    assert all("AVX-512 VNNI" in line for line in skipped), skipped
+    assert " passed" in summary, summary
