@@ -254,14 +254,21 @@ class Probes:
         one. Timed on a short greedy request, overhead included, so it errs short. A server
         that does not serve the timing request gets `least`: the clause then says what it sees
         of that server."""
+        per_token = self.seconds_per_token()
+        if per_token is None:
+            return max(1, min(most, least))
+        return max(least, min(most, int(seconds / per_token)))
+
+    def seconds_per_token(self) -> float | None:
+        """Seconds one request's token takes on this server as it runs now (a short greedy
+        request, overhead included, so it errs long); None when the server does not serve it."""
         n = 16
         started = time.monotonic()
         try:
             self.client.complete(unique_text(16), **self.long_params(n))
         except ServerError:
-            return max(1, min(most, least))
-        per_token = max(1e-6, (time.monotonic() - started) / n)
-        return max(least, min(most, int(seconds / per_token)))
+            return None
+        return max(1e-6, (time.monotonic() - started) / n)
 
     def eos_case(self) -> tuple[str, dict]:
         """A prompt and params whose answer ends by itself (EOS) before max_tokens, reproducibly."""
