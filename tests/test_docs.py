@@ -186,3 +186,22 @@ def test_the_layout_names_every_top_level_folder():
     assert listed == folders, (f"README.md's layout lists {sorted(listed)}; the tree's top-level folders are "
                                f"{sorted(folders)}")
     assert all((ROOT / f).is_dir() for f in listed)
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_files_the_docs_name_are_in_the_tree(doc):
+    """A path in backticks (`cpu/products/choice.py`) names a file the tree holds: the tail of
+    some tracked file's path, so a doc may name it from its folder down."""
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    files = set(tracked.splitlines())
+    folders = {str(Path(f).parents[i]) for f in files for i in range(len(Path(f).parents) - 1)}
+    # a file (with its suffix) or a folder (with its slash); clause ids such as api/sse/1 are neither
+    named = re.findall(r"`([\w.-]+(?:/[\w.-]+)*(?:\.[a-z]+|/))`", doc.read_text())
+    named = [n for n in named if "/" in n]
+
+    def there(path: str) -> bool:
+        path = path.rstrip("/")
+        return any(f == path or f.endswith("/" + path) for f in files | folders)
+
+    missing = sorted({p for p in named if not there(p)})
+    assert not missing, f"{doc.relative_to(ROOT)} names {missing}, which the tree does not hold"
