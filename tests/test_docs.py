@@ -149,11 +149,12 @@ def test_poot_serve_options_are_the_parsers():
 
 def section(text: str, title: str) -> str:
     """The body of the Markdown section with this heading (any level), up to the next of its level."""
-    match = re.search(rf"^(#+) {re.escape(title)}\s*$", text, re.M)
+    # headings are looked for outside fenced code, where a shell comment starts with # too
+    prose = re.sub(r"```.*?```", lambda m: re.sub(r"[^\n]", " ", m.group()), text, flags=re.S)
+    match = re.search(rf"^(#+) {re.escape(title)}\s*$", prose, re.M)
     assert match, f"no section {title!r}"
-    rest = text[match.end():]
-    end = re.search(rf"^#{{1,{len(match.group(1))}}} ", rest, re.M)
-    return rest[: end.start()] if end else rest
+    end = re.compile(rf"^#{{1,{len(match.group(1))}}} ", re.M).search(prose, match.end())
+    return text[match.end(): end.start() if end else len(text)]
 
 
 def slug(heading: str) -> str:
@@ -172,7 +173,8 @@ def test_relative_links_resolve(doc):
         if not file.exists():
             broken.append(target)
         elif anchor and file.suffix == ".md":
-            anchors = {slug(h) for h in re.findall(r"^#+ (.*)$", file.read_text(), re.M)}
+            prose = re.sub(r"```.*?```", "", file.read_text(), flags=re.S)
+            anchors = {slug(h) for h in re.findall(r"^#+ (.*)$", prose, re.M)}
             if anchor not in anchors:
                 broken.append(target)
     assert not broken, f"{doc.relative_to(ROOT)} links to what is not there: {broken}"
