@@ -181,7 +181,7 @@ def test_relative_links_resolve(doc):
 
 
 def test_the_layout_names_every_top_level_folder():
-    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    tracked = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     folders = {p.split("/")[0] for p in tracked.splitlines() if "/" in p and not p.startswith(".")}
     layout = section(README.read_text(), "Working on poot")
     listed = set(re.findall(r"^\| `([\w-]+)/` \|", layout, re.M))
@@ -194,7 +194,7 @@ def test_the_layout_names_every_top_level_folder():
 def test_files_the_docs_name_are_in_the_tree(doc):
     """A path in backticks (`cpu/products/choice.py`) names a file the tree holds: the tail of
     some tracked file's path, so a doc may name it from its folder down."""
-    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    tracked = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     files = set(tracked.splitlines())
     folders = {str(Path(f).parents[i]) for f in files for i in range(len(Path(f).parents) - 1)}
     # a file (with its suffix) or a folder (with its slash); clause ids such as api/sse/1 are neither
