@@ -8,3 +8,9 @@ cd "$(dirname "$0")/.."
 exe=.venv/bin/poot-conformance
 [ -x "$exe" ] || exe=poot-conformance
 "$exe" compare --page docs/results/conformance.md --reports-dir conformance-report --expectations-dir ci/expectations
+# docs/results/serving.md from serving-report/<run>/serving.json (poot-load serving --out DIR), once runs are committed
+if [ -d serving-report ]; then
+    load=.venv/bin/poot-load
+    [ -x "$load" ] || load=poot-load
+    "$load" serving --page docs/results/serving.md --reports-dir serving-report
+fi
