@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from . import prometheus
-from .kind import Look
+from .kind import Look, get_json
 from .outcomes import NotSupported
 
 FACTS_KEY = pytest.StashKey["Facts"]()
@@ -136,6 +136,18 @@ def command_option(command: str | None, *names: str) -> str | None:
     return None
 
 
+def server_version(http: httpx.Client, kind: str, props: dict | None) -> tuple[str, str] | None:
+    """(the server's own version, where it was read), for reports to name the run by; None
+    where the server publishes none."""
+    if kind == "llamacpp" and props is not None and isinstance(props.get("build_info"), str):
+        return props["build_info"], "/props build_info"
+    if kind == "vllm":
+        status, body = get_json(http, "/version")
+        if status == 200 and isinstance(body, dict) and isinstance(body.get("version"), str):
+            return body["version"], "/version"
+    return None
+
+
 @dataclass
 class Facts:
     """The facts of one server, discovered once and handed out to tests on request."""
@@ -204,6 +216,8 @@ class Facts:
             if parallel and parallel.isdigit():
                 found["rows"] = Fact("rows", int(parallel), "the server command's --parallel")
 
+        if version := server_version(http, kind, props):
+            found["server_version"] = Fact("server_version", version[0], version[1])
         facts.known = {**found, **(given or {})}
         if given and "kind" in given and dialect == "auto":
             facts.dialect = {"llamacpp": "llamacpp", "vllm": "vllm"}.get(given["kind"].value, "poot")
@@ -295,8 +309,9 @@ class Facts:
     def report(self) -> dict[str, dict[str, Any]]:
         """Every fact a test used, and every one asked for but missing, with its source."""
         out = {name: {"value": f.value, "source": f.source} for name, f in sorted(self.used.items())}
-        if "kind" in self.known:
-            out.setdefault("kind", {"value": self.known["kind"].value, "source": self.known["kind"].source})
+        for name in ("kind", "server_version"):  # what a report names the server by, used or not
+            if name in self.known:
+                out.setdefault(name, {"value": self.known[name].value, "source": self.known[name].source})
         for name, why in sorted(self.missing.items()):
             if name not in self.used:
                 out[name] = {"value": None, "source": why}

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 from dataclasses import asdict, dataclass, field
 from itertools import groupby
+from pathlib import Path
 from xml.etree import ElementTree as ET
 
 from .clauses import SOURCES, Clause
@@ -154,9 +156,26 @@ def to_terminal(report: RunReport) -> str:
     return "\n".join(lines)
 
 
+def suite_commit() -> str | None:
+    """The git commit of the suite's own checkout (with "+changes" where its files differ from
+    it), so a committed report says which code judged the server; None outside a checkout."""
+    here = Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=here, capture_output=True,
+                              text=True, timeout=10)
+        if head.returncode != 0:
+            return None
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "."],
+                                 cwd=here.parent, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head.stdout.strip() + ("+changes" if changed.stdout.strip() else "")
+
+
 def to_json(report: RunReport) -> str:
     return json.dumps({
         "tool": "poot-conformance",
+        "commit": suite_commit(),
         "target": report.target,
         "profiles": report.profiles,
         "strict": report.strict,

@@ -31,11 +31,13 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import httpx
 
 from poot.conformance.kind import DISPLAY
-from poot.loadtests import scrape
+from poot.conformance.report import suite_commit
+from poot.loadtests import machine, scrape
 from poot.loadtests.client import discover_model
 from poot.loadtests.closed_loop import LevelPlan, compact, level_summary, run_level
 from poot.loadtests.english import prompt_set
@@ -51,7 +53,7 @@ from poot.loadtests.peers import (
     wait_quiet,
 )
 from poot.loadtests.server_proc import CommandServer
-from poot.loadtests.serving_report import line, markdown, ratios
+from poot.loadtests.serving_report import PAGE_COMMAND, line, markdown, page, ratios
 from poot.loadtests.step_metrics import metrics_delta
 
 DEFAULT_LEVELS = (1, 8, 32)
@@ -147,11 +149,25 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", help="also write every figure and record here")
     p.add_argument("--markdown", help="also write the tables here")
     p.add_argument("--quiet", action="store_true", help="no progress lines (the tables are still printed)")
+    p.add_argument("--page", metavar="PATH", help="instead of a run: write the results page from every "
+                                                  "FOLDER/<run>/serving.json (--reports-dir)")
+    p.add_argument("--reports-dir", default="serving-report", metavar="FOLDER",
+                   help="with --page: the committed runs, one folder each (default serving-report)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
+    if a.page:
+        try:
+            text = page(Path(a.reports_dir))
+        except (OSError, ValueError, KeyError) as exc:
+            print(f"poot-load serving: --page: {exc}", file=sys.stderr)
+            return 2
+        Path(a.page).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.page).write_text(text)
+        print(f"wrote {a.page} ({PAGE_COMMAND})")
+        return 0
     key = api_key(a.api_key)
     try:
         levels = [int(x) for x in a.concurrency.split(",") if x.strip()]
@@ -189,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {"config": {"concurrency": levels, "requests": a.requests, "seconds": a.seconds, "warmup": a.warmup,
                          "max_tokens": a.max_tokens, "prompts": len(prompts), "seed": a.seed,
                          "chars_per_token": a.chars_per_token, "request_tag": not a.no_request_tag},
-              "started": started, "cpus": os.cpu_count(), "logs": logs, "prompt_texts": prompts,
+              "started": started, "cpus": os.cpu_count(), "cpu": machine.cpu(), "commit": suite_commit(),
+              "logs": logs, "prompt_texts": prompts,
               "servers": servers}
     result["ratios"] = ratios(result)
     md = markdown(result)

@@ -3,6 +3,9 @@ first server's."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from poot.loadtests.closed_loop import GAP_RATIO_TARGET
 from poot.loadtests.step_metrics import STEP_KINDS
 
@@ -118,3 +121,47 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+
+
+PAGE_COMMAND = "poot-load serving --page docs/results/serving.md"
+
+
+def _command(command: str | None) -> str:
+    """A server's command with each path cut to its last part: the page names no machine's folders."""
+    if not command:
+        return "-"
+    words = (w.rsplit("/", 1)[-1] if "/" in w and not w.startswith("http") else w for w in command.split())
+    return "`" + " ".join(words).replace("`", "'").replace("|", "\\|") + "`"
+
+
+def _version(server: dict) -> str:
+    info = server.get("info") or {}
+    return str(info.get("build_info") or info.get("version") or "-")
+
+
+def run_section(name: str, result: dict) -> list[str]:
+    """One committed run: when, on what, at which commit, which servers with which commands,
+    then its tables."""
+    cpu = result.get("cpu") or {}
+    flags = ", ".join(cpu.get("flags") or []) or "-"
+    lines = [f"## {name}", "",
+             f"Run {result.get('started') or '-'}; poot commit {result.get('commit') or '-'}; CPU "
+             f"{cpu.get('model') or '-'} ({cpu.get('cpus') or result.get('cpus') or '-'} CPUs; {flags}).", "",
+             "| server | version | command |", "|---|---|---|"]
+    lines += [f"| {s['name']} | {_version(s)} | {_command(s.get('command') or s.get('url'))} |"
+              for s in result["servers"]]
+    tables = markdown(result).splitlines()[2:]  # its own title is this section's
+    return lines + [""] + [("#" + t if t.startswith("### ") else t) for t in tables]
+
+
+def page(folder: Path) -> str:
+    """docs/results/serving.md: every FOLDER/<run>/serving.json, in the runs' folder names' order."""
+    runs = sorted(folder.glob("*/serving.json"))
+    lines = ["# Serving, side by side", "",
+             f"Written by `{PAGE_COMMAND}` from the runs committed under `{folder.name}/<run>/serving.json`; a "
+             "test fails when this page differs from what the command writes, so rewrite it rather than edit it.", ""]
+    for path in runs:
+        lines += run_section(path.parent.name, json.loads(path.read_text()))
+    if not runs:
+        lines.append("No run is committed yet.")
+    return "\n".join(lines).rstrip("\n") + "\n"
