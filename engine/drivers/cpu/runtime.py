@@ -143,7 +143,9 @@ class Runtime:
                     if progress is not None:
                         progress.report("compile", "loading numba")
                     kernels = self._build()
-                    self._entries = _smoke(kernels, progress)
+                    from .kernels.integer_dot import target_features
+
+                    self._entries = _smoke(kernels, progress, half="+f16c" in target_features())
                     self.kernels = kernels
                 except Exception as exc:  # no numba, no thread-safe layer, a compiler failure
                     self.error = f"{type(exc).__name__}: {exc}".splitlines()[0]
@@ -268,7 +270,7 @@ def keep_cache_with_the_engines(numba) -> None:
         numba.config.CACHE_DIR = str(cache_root() / "numba")
 
 
-def _smoke(k: KernelModules, progress=None) -> int:
+def _smoke(k: KernelModules, progress=None, half: bool = True) -> int:
     """Runs the kernels every step may call on a known input (each built, or loaded from the
     cache, at its first call here); returns how many they are. `progress` hears which."""
     ran = (k.few_token.few_token_matmul, k.attention.paged_attention, k.glue.rms_scale, k.glue.silu_mul,
@@ -286,8 +288,10 @@ def _smoke(k: KernelModules, progress=None) -> int:
     next_kernel()
     # The KV cache the CPU driver keeps by default, float16 bits (1.0 here): the float32
     # cache's variants compile where a driver first steps with one (the float32 path), not
-    # at every start (a quarter of a fresh start's compiling went to them).
-    cache = np.full((2, 1, 1, 2, 2), np.float16(1).view(np.uint16), np.uint16)
+    # at every start (a quarter of a fresh start's compiling went to them). Without F16C the
+    # driver keeps float32 (numba's code cannot call LLVM's software conversion), so that.
+    cache = np.full((2, 1, 1, 2, 2), np.float16(1).view(np.uint16), np.uint16) if half else \
+        np.ones((2, 1, 1, 2, 2), np.float32)
     att = np.empty((1, 2), np.float32)
     k.attention.paged_attention(np.ones((1, 1, 2), np.float32), cache, np.zeros((1, 1), np.int64),
                                 np.zeros(1, np.int64), np.ones(1, np.int64), att)
