@@ -136,9 +136,11 @@ def command_option(command: str | None, *names: str) -> str | None:
     return None
 
 
-def server_version(http: httpx.Client, kind: str, props: dict | None) -> tuple[str, str] | None:
+def server_version(http: httpx.Client, kind: str, props: dict | None, health: dict | None = None) -> tuple[str, str] | None:
     """(the server's own version, where it was read), for reports to name the run by; None
     where the server publishes none."""
+    if kind == "poot" and health is not None and isinstance(health.get("version"), str):
+        return health["version"], "/health version"
     if kind == "llamacpp" and props is not None and isinstance(props.get("build_info"), str):
         return props["build_info"], "/props build_info"
     if kind == "vllm":
@@ -216,7 +218,7 @@ class Facts:
             if parallel and parallel.isdigit():
                 found["rows"] = Fact("rows", int(parallel), "the server command's --parallel")
 
-        if version := server_version(http, kind, props):
+        if version := server_version(http, kind, props, look.health if isinstance(look.health, dict) else None):
             found["server_version"] = Fact("server_version", version[0], version[1])
         facts.known = {**found, **(given or {})}
         if given and "kind" in given and dialect == "auto":

@@ -17,6 +17,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from poot import __version__
+
 from . import openai
 from .draining import CountActive, drain_watch
 from .generation import generate, read_body
@@ -45,7 +47,7 @@ def build_app(state: ServerState):
             return JSONResponse({"status": "dead", "cause": h.cause, "reason": h.reason}, status_code=503)
         if state.draining:
             return JSONResponse({"status": "draining", "in_flight": engine.in_flight()}, status_code=503)
-        return JSONResponse({"status": "ok", "plan": engine.plan.as_dict()})
+        return JSONResponse({"status": "ok", "version": __version__, "plan": engine.plan.as_dict()})
 
     async def models(request: Request) -> Response:
         engine = state.engine

@@ -106,6 +106,7 @@ def test_reports_carry_the_suites_commit_and_the_servers_version():
     http = httpx.Client(transport=httpx.MockTransport(answer), base_url="http://server")
     assert server_version(http, "vllm", None) == ("0.32.0", "/version")
     assert server_version(http, "llamacpp", {"build_info": "b6000-0c1e570"}) == ("b6000-0c1e570", "/props build_info")
+    assert server_version(http, "poot", None, {"status": "ok", "version": "0.1.0", "plan": {}}) == ("0.1.0", "/health version")
     assert server_version(http, "openai", None) is None
 
 

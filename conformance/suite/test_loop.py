@@ -156,12 +156,17 @@ class NoRoom:
         return f" ({self.stream_error})" if self.stream_error else ""
 
 
+NO_ROOM_S = 30.0  # how long a row-filler decodes alone at the server's pace (longer with every row taken)
+
+
 def run_no_room(client: Client, probes: Probes) -> NoRoom:
     rows, positions = rows_and_positions(client)
     client.need("running", "waiting")
     # Every row taken by requests of one length: the first opened ends first (with any opened
     # in its step), long after the newcomer is queued behind them, however busy the client.
-    first = positions - 40
+    # Sized by the server's pace rather than its context: the newcomer waits for the first
+    # to end, and a slow server's full context would take many minutes.
+    first = probes.tokens_lasting(NO_ROOM_S, positions - 40, least=64)
     fillers = fill_rows(client, probes, rows, [first] * rows)
     newcomer = None
     seen = NoRoom(rows, first)

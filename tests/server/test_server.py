@@ -15,6 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+import poot
+
 from .proc import MUTANTS, TESTS, Server, run_cli
 
 STEP_DELAY = "0.02"  # hidden test option: slow steps so that cancellation and draining are observable
@@ -64,6 +66,7 @@ def test_health_models_and_metrics(srv):
     assert h.status_code == 200
     plan = h.json()["plan"]
     assert h.json()["status"] == "ok"
+    assert h.json()["version"] == poot.__version__  # reports name the run by it
     assert {"rows", "positions", "num_blocks", "block_size", "token_budget", "backend", "model"} <= set(plan)
     models = srv.client.get("/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["id"] == plan["model"]
