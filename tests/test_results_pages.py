@@ -13,6 +13,7 @@ import httpx
 from poot.conformance import compare
 from poot.conformance.facts import server_version
 from poot.conformance.report import suite_commit
+from poot.loadtests import serving_report
 
 ROOT = Path(__file__).resolve().parents[1]
 REPORTS = ROOT / "conformance-report"
@@ -27,6 +28,14 @@ def test_the_conformance_page_is_what_compare_writes():
     assert PAGE.read_text() == written, (
         "docs/results/conformance.md differs from what the committed reports give: rewrite it with "
         "`bash ci/results_pages.sh` (poot-conformance compare --page docs/results/conformance.md)")
+
+
+def test_the_serving_page_is_what_poot_load_writes():
+    """docs/results/serving.md from serving-report/<run>/serving.json (`poot-load serving --page`)."""
+    written = serving_report.page(ROOT / "serving-report")
+    assert (ROOT / "docs" / "results" / "serving.md").read_text() == written, (
+        "docs/results/serving.md differs from what the committed serving runs give: rewrite it with "
+        "`bash ci/results_pages.sh` (poot-load serving --page docs/results/serving.md)")
 
 
 def test_the_readme_states_each_committed_reports_counts():

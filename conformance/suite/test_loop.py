@@ -156,26 +156,46 @@ class NoRoom:
         return f" ({self.stream_error})" if self.stream_error else ""
 
 
-NO_ROOM_S = 30.0  # how long a row-filler decodes alone at the server's pace (longer with every row taken)
+NO_ROOM_S = 10.0  # the first try's row-fillers decode about this long alone at the server's pace
+NO_ROOM_TRIES = 3  # each try's fillers three times as long as the last's
 
 
 def run_no_room(client: Client, probes: Probes) -> NoRoom:
+    """Sized by the server's pace rather than its context: the newcomer waits for the first
+    filler to end, and a slow server's whole context took many minutes with every row taken.
+    A try whose first filler ended before the newcomer could be seen queued tells nothing,
+    and is made again with longer fillers."""
     rows, positions = rows_and_positions(client)
     client.need("running", "waiting")
-    # Every row taken by requests of one length: the first opened ends first (with any opened
-    # in its step), long after the newcomer is queued behind them, however busy the client.
-    # Sized by the server's pace rather than its context: the newcomer waits for the first
-    # to end, and a slow server's full context would take many minutes.
-    first = probes.tokens_lasting(NO_ROOM_S, positions - 40, least=64)
-    fillers = fill_rows(client, probes, rows, [first] * rows)
+    seconds, longest = NO_ROOM_S, positions - 40
+    for _ in range(NO_ROOM_TRIES):
+        length = probes.tokens_lasting(seconds, longest, least=64)
+        seen = no_room_once(client, probes, rows, length, last=length >= longest)
+        if seen is not None:
+            return seen
+        client.wait_idle()
+        seconds *= 3
+    raise NotSupported(f"{NO_ROOM_TRIES} times the first of {rows} requests of up to {length} tokens ended before a "
+                       "request more could be seen waiting: this client is too slow beside this server to tell")
+
+
+def no_room_once(client: Client, probes: Probes, rows: int, length: int, last: bool) -> NoRoom | None:
+    """Every row taken by requests of one length (the first opened ends first, with any opened
+    in its step), then one request more; None when the first ended before the newcomer showed
+    as waiting (its freed row, not a wait, may have let it in), unless the fillers are as
+    long as they can be (`last`)."""
+    fillers = fill_rows(client, probes, rows, [length] * rows)
     newcomer = None
-    seen = NoRoom(rows, first)
+    seen = NoRoom(rows, length)
     try:
         newcomer = RawStream.open(client, unique_text(16), **probes.long_params(16))
         try:
             client.wait_until(lambda s: s.get("engine_requests_waiting", 0) >= 1, 10, "one waiting request")
             seen.running_while_waiting = client.metrics().get("engine_requests_running")
         except AssertionError as e:
+            drain([fillers[0]])
+            if fillers[0].finish_reason() is not None and not last:
+                return None
             seen.not_waiting = str(e)
         try:
             pair = Mux([fillers[0], newcomer])

@@ -1,7 +1,8 @@
 """`poot-load serving --page`: the serving results page is written from committed runs'
-serving.json, never typed. No real run's JSON is committed yet, so the page's drift check runs
-here over a fixture: a short real run against the synthetic model (`fixtures/serving-report/`)
-and the page the command wrote from it (`fixtures/serving-page.md`)."""
+serving.json, never typed. The checks here run over a fixture, a short real run against the
+synthetic model (`fixtures/serving-report/`) and the page the command wrote from it
+(`fixtures/serving-page.md`); tests/test_results_pages.py holds docs/results/serving.md to the
+committed runs."""
 
 from __future__ import annotations
 
