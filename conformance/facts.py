@@ -218,7 +218,7 @@ class Facts:
             if parallel and parallel.isdigit():
                 found["rows"] = Fact("rows", int(parallel), "the server command's --parallel")
 
-        if version := server_version(http, kind, props, look.health if isinstance(look.health, dict) else None):
+        if version := server_version(http, kind, props, look.health):
             found["server_version"] = Fact("server_version", version[0], version[1])
         facts.known = {**found, **(given or {})}
         if given and "kind" in given and dialect == "auto":
