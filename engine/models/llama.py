@@ -16,11 +16,15 @@ The maths that is the family's own, fixed here:
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import numpy as np
 
 from ..ops import Op, Program, fused
 from . import block_codes as block_quant
 from .base import LlamaConfig
+from .prepared import PreparedWeights
 
 
 def program(config: LlamaConfig) -> Program:
@@ -68,33 +72,35 @@ def pair_rows(w: np.ndarray, heads: int, head_dim: int) -> np.ndarray:
     return w.reshape(heads, head_dim, -1)[:, order].reshape(heads * head_dim, -1)
 
 
-def prepare(config: LlamaConfig, weights: dict[str, np.ndarray], positions: int) -> dict[str, np.ndarray]:
-    """The program's weights by name, host float32, laid out as engine/ops.py states."""
-    def dev(a: np.ndarray) -> np.ndarray:
-        return np.ascontiguousarray(a, dtype=np.float32)
+def prepare(config: LlamaConfig, weights: dict[str, np.ndarray], positions: int) -> PreparedWeights:
+    """The program's weights by name, host float32, laid out as engine/ops.py states; each is
+    made on its first read (prepared.py)."""
+    def dev(name: str) -> Callable[[], np.ndarray]:
+        return lambda: np.ascontiguousarray(weights[name], dtype=np.float32)
 
     def folded(w: np.ndarray, norm: np.ndarray) -> np.ndarray:
         # W @ (x * norm) == (W * norm) @ x: the norm's weight multiplies the columns.
-        return np.asarray(w, dtype=np.float64) * np.asarray(norm, dtype=np.float64)[None, :]
+        return np.ascontiguousarray(np.asarray(w, dtype=np.float64) * np.asarray(norm, dtype=np.float64)[None, :],
+                                    dtype=np.float32)
 
-    scale = 1.0 / np.sqrt(config.head_dim)
-    out = {"embed": dev(weights["embed"])}
-    for i in range(config.num_layers):
-        p = f"layers.{i}."
-        attn_norm, mlp_norm = weights[p + "attn_norm"], weights[p + "mlp_norm"]
-        wq = np.asarray(weights[p + "wq"], dtype=np.float64) * scale  # scores come out pre-scaled
+    def qkv(p: str) -> np.ndarray:
+        wq = np.asarray(weights[p + "wq"], dtype=np.float64) * (1.0 / np.sqrt(config.head_dim))  # scores come out pre-scaled
         wq = pair_rows(wq, config.num_heads, config.head_dim)
         wk = pair_rows(np.asarray(weights[p + "wk"]), config.num_kv_heads, config.head_dim)
-        out |= {
-            p + "wqkv": dev(folded(np.concatenate([wq, wk, weights[p + "wv"]]), attn_norm)),
-            p + "wo": dev(weights[p + "wo"]),
-            p + "w_gate_up": dev(folded(np.concatenate([weights[p + "w_gate"], weights[p + "w_up"]]), mlp_norm)),
-            p + "w_down": dev(weights[p + "w_down"]),
-        }
-    out["norm"] = dev(weights["norm"])  # the final norm (not folded: the head may be tied to the embedding)
-    out["lm_head"] = dev(weights.get("lm_head", weights["embed"]))
-    out["rope"] = rope_table(config, positions)
-    return out
+        return folded(np.concatenate([wq, wk, weights[p + "wv"]]), weights[p + "attn_norm"])
+
+    def gate_up(p: str) -> np.ndarray:
+        return folded(np.concatenate([weights[p + "w_gate"], weights[p + "w_up"]]), weights[p + "mlp_norm"])
+
+    makers: dict[str, Callable[[], np.ndarray]] = {"embed": dev("embed")}
+    for i in range(config.num_layers):
+        p = f"layers.{i}."
+        makers |= {p + "wqkv": functools.partial(qkv, p), p + "wo": dev(p + "wo"),
+                   p + "w_gate_up": functools.partial(gate_up, p), p + "w_down": dev(p + "w_down")}
+    makers["norm"] = dev("norm")  # the final norm (not folded: the head may be tied to the embedding)
+    makers["lm_head"] = dev("lm_head" if "lm_head" in weights else "embed")
+    makers["rope"] = lambda: rope_table(config, positions)
+    return PreparedWeights(makers)
 
 
 def block_codes(config: LlamaConfig, weights: dict[str, np.ndarray], known: dict | None = None) -> dict[str, tuple]:

@@ -167,3 +167,18 @@ def test_a_product_shares_only_arrays_like_its_own(pair):
     codes = product.codes
     with pytest.raises(ValueError, match="must match"):
         product.share(codes[:, 1:], product.scales, product.lane_scales, product.colscale)
+
+
+def test_products_on_block_codes_never_make_their_float32_copies(model):
+    """The family prepares each weight on its first read (engine/models/prepared.py): a driver
+    whose every product runs on the file's block codes, stacked or op by op, reads only the
+    embedding, the final norm and the rotary table, not a float32 copy of any matrix (on
+    SmolLM2 those took 540 MB and most of a warm start)."""
+    fed = [[(0, [1, 2, 3])], [(0, [4])]]
+    for driver in (_driver(model, True), _driver(model, False)):
+        feed_steps(driver, [0], fed)
+        assert sorted(driver.weights.made()) == ["embed", "norm", "rope"], driver.weights.made()
+    plain = CpuDriver(memory_bytes=1 << 30, compact=False)
+    plain.prepare(fit_plan(plain.device(), model.config, 0, model.name), model)
+    feed_steps(plain, [0], fed)
+    assert set(plain.weights.made()) == set(plain.weights), "the float32 path reads every weight"

@@ -70,11 +70,11 @@ class ArrayOps:
 
     def matmul(self, op, b) -> None:
         name = op.weights[0]
-        b[op.writes] = self._product(name, _leading(b[op.reads[0]], self.w[name].shape[1]))
+        b[op.writes] = self._product(name, _leading(b[op.reads[0]], self._inputs(name)))
 
     def matmul_add(self, op, b) -> None:
         name = op.weights[0]
-        self._product_add(name, _leading(b[op.reads[0]], self.w[name].shape[1]), b[op.writes])
+        self._product_add(name, _leading(b[op.reads[0]], self._inputs(name)), b[op.writes])
 
     def rope_kv_write(self, op, b) -> None:
         b[op.writes] = self._rope_store(b[op.reads[0]], op.layer)
@@ -126,6 +126,10 @@ class ArrayOps:
 
     def _scale(self, x):
         return rms_scale(np, x, self.eps)
+
+    def _inputs(self, name: str) -> int:
+        """The features a product of weight `name` reads."""
+        return self.w[name].shape[1]
 
     def _product(self, name: str, x):
         return np.matmul(self.w[name], x)
@@ -213,6 +217,9 @@ class KernelOps(ArrayOps):
             rope = self.w["rope"]
             self._rope_f = rope.reshape(len(rope), -1)[layout.positions]
         super().begin(step, layout)
+
+    def _inputs(self, name: str) -> int:
+        return self.products[name].shape[1]  # not the weight's: its float32 copy may never be made
 
     def _scale(self, x):
         return self.glue.rms_scale(np.ascontiguousarray(x), self.eps)
