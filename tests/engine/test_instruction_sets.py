@@ -115,3 +115,17 @@ def test_the_integer_paths_own_tests_pass_on_avx2():
     skipped = [line for line in done.stdout.splitlines() if line.startswith("SKIPPED")]
     assert all("AVX-512 VNNI" in line for line in skipped), skipped
     assert " passed" in summary, summary
+
+
+@pytest.mark.realmodel
+@pytest.mark.slow
+def test_smollm2_greedy_continuations_on_avx2_match_float32():
+    """SmolLM2's 64 prompts of tests/models/test_block_codes.py on the AVX2 integer path: logits
+    within the same tolerance of the float32 path, and the greedy continuations as close."""
+    test = "tests/models/test_block_codes.py::test_smollm2_decode_on_codes_matches_float32"
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "-rs", test], cwd=ROOT,
+                          env=_env("avx2"), capture_output=True, text=True, timeout=1800)
+    if "SKIPPED" in done.stdout and done.returncode == 0:
+        pytest.skip(next(line for line in done.stdout.splitlines() if line.startswith("SKIPPED")))
+    assert done.returncode == 0, done.stdout[-4000:]
+    assert "agree; worst relative logit difference" in done.stdout, done.stdout[-2000:]
