@@ -27,13 +27,18 @@ from poot.conformance.scenarios import (
 
 clause = pytest.mark.clause
 DECODE_S = 30.0  # a decode that must outlive a burst of prompts lasts about this long alone
+BATCHING_S = 3.0  # loop/batching/1's requests last about this long alone
 
 
 @clause("loop/batching/1")
 def test_concurrent_requests_share_steps(client: Client, probes: Probes, facts: Facts, idle):
     if not facts.has("steps"):
         return shared_steps_by_timing(client, probes, facts)
-    k, n = 4, 64
+    k = 4
+    # Each request lasts about BATCHING_S alone at this server's pace: on a busy machine the
+    # requests sent together reach the engine some steps apart, and a short request could end
+    # before the next arrived (64 tokens once took 180 steps beside two busy loops that way).
+    n = probes.tokens_lasting(BATCHING_S, (facts.get("positions") or 1040) - 40, least=64)
     before = client.metric("engine_steps_total")
     # Raw streams, sent back to back: a client thread pool on a busy machine can stagger its
     # sends by more than a short request lasts, which would serialise them from outside.
