@@ -319,8 +319,12 @@ def run(args) -> dict:
 
         lines.append(f"integer dot ceiling {ceilings.dot / 1e9:.0f} G multiply-adds/s ({route()} alone on registers, "
                      f"every thread: dot_ceiling.py)")
-    lines.append(f"instruction set: {plan.isa or 'none named'} (POOT_CPU_ISA={os.environ.get('POOT_CPU_ISA', 'native')}); "
-                 f"CPU: {plan.adapter}")
+    from poot.engine.drivers.cpu.platform import mkl
+    from poot.engine.drivers.cpu.platform.host import blas_core
+
+    libraries = f"OpenBLAS's {blas_core() or 'unnamed'} kernels" + (f", MKL's {mkl.dispatched()} code" if mkl.available() else "")
+    lines.append(f"instruction set: {plan.isa or 'none named'} (POOT_CPU_ISA={os.environ.get('POOT_CPU_ISA', 'native')}; "
+                 f"{libraries}); CPU: {plan.adapter}")
     kernels = bench.driver.products
     if kernels is not None and kernels.choices:
         lines.append(f"products, chosen by measurement at prepare ({kernels.measure_seconds:.1f} s): "

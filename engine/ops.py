@@ -164,26 +164,31 @@ class Program:
     widths: dict[str, int]
     dims: dict[str, int] = field(default_factory=dict)
     eps: float = 1e-5
+    # Every op with the fused ones replaced by their parts, made once: drivers ask `paged` each step.
+    flat_ops: tuple[Op, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "flat_ops", unfused(self.ops))
 
     def unfused(self) -> Program:
         """The same step with every fused op replaced by its parts: what a driver without a
         kernel for a fused op runs."""
-        return dataclasses.replace(self, ops=unfused(self.ops))
+        return dataclasses.replace(self, ops=self.flat_ops)
 
     @property
     def paged(self) -> bool:
         """The step reads and writes a paged KV cache (rows need block tables)."""
-        return any(op.name in PAGED_OPS for op in unfused(self.ops))
+        return any(op.name in PAGED_OPS for op in self.flat_ops)
 
     @property
     def recurrent(self) -> bool:
         """The step carries per-row state (a row a new sequence opens starts from zero)."""
-        return any(op.name in STATE_OPS for op in unfused(self.ops))
+        return any(op.name in STATE_OPS for op in self.flat_ops)
 
     def layers(self, kinds: frozenset[str]) -> list[int]:
         """The layers whose cache or state the ops of `kinds` touch, in order."""
-        return sorted({op.layer for op in unfused(self.ops) if op.name in kinds and op.layer >= 0})
+        return sorted({op.layer for op in self.flat_ops if op.name in kinds and op.layer >= 0})
 
     def weight_names(self) -> list[str]:
         """Every weight the program uses, once each, in first use order."""
-        return list(dict.fromkeys(w for op in unfused(self.ops) for w in op.weights))
+        return list(dict.fromkeys(w for op in self.flat_ops for w in op.weights))

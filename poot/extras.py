@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import sys
 
 # extra -> modules it installs (import names)
@@ -33,6 +34,10 @@ def _run(command: str, extra: str, module: str) -> int:
 
 
 def serve() -> int:
+    # NumPy's OpenBLAS picks its kernels by the CPU as it loads, before any engine code runs:
+    # a server held to AVX2 (POOT_CPU_ISA, engine/drivers/cpu/target.py) asks it for AVX2's here.
+    if os.environ.get("POOT_CPU_ISA", "").strip().lower() == "avx2":
+        os.environ.setdefault("OPENBLAS_CORETYPE", "Haswell")
     return _run("poot-serve", "serve", "poot.server.cli")
 
 

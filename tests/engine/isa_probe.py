@@ -60,6 +60,7 @@ def products(runtime, path: str) -> dict[str, np.ndarray]:
 
 def main(target: str) -> None:
     from poot.engine.drivers.cpu import CpuDriver
+    from poot.engine.drivers.cpu.platform import mkl
     from poot.engine.drivers.cpu.products.integer import integer_path
     from poot.engine.drivers.cpu.runtime import shared
     from poot.engine.models.synthetic import synthetic_llama
@@ -78,7 +79,8 @@ def main(target: str) -> None:
     for k, logits in enumerate(feed_steps(driver, [0, 1, 2], STEPS)):
         arrays[f"logits/{k}"] = logits
     facts = {"isa": plan.isa, "path": kind.name if kind else None, "rows": plan.rows, "positions": plan.positions,
-             "num_blocks": plan.num_blocks, "kv": str(driver.kv_pool.dtype), "stack": driver.stack is not None}
+             "num_blocks": plan.num_blocks, "kv": str(driver.kv_pool.dtype), "stack": driver.stack is not None,
+             "mkl": mkl.dispatched() if mkl.available(runtime.requested_isa) else None}
     arrays["facts"] = np.array(json.dumps(facts))
     np.savez(target, **arrays)
 

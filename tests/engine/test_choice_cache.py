@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 
 import numpy as np
 import pytest
@@ -172,8 +173,10 @@ def test_the_key_holds_what_it_says(model, tmp_path):
     products_of(model, tmp_path)
     (kept,) = tmp_path.glob("*.json")
     key = json.loads(kept.read_text())["key"]
-    assert set(key) == {"format", "poot", "cpu", "flags", "target", "threads", "libraries", "products", "plan"}
+    assert set(key) == {"format", "poot", "cpu", "flags", "target", "threads", "libraries", "library_settings",
+                        "products", "plan"}
     assert set(key["libraries"]) == {"numpy", "numba", "llvmlite", "mkl"}
+    assert key["library_settings"] == [os.environ.get("OPENBLAS_CORETYPE"), os.environ.get("MKL_ENABLE_INSTRUCTIONS")]
     assert key["plan"] == {"rows": 32, "token_budget": 80, "max_step_tokens": 176}
     assert all({"shape", "head", "matrices", "codes", "paths"} <= set(p) for p in key["products"])
     assert ChoiceCache(tmp_path).read(key) is not None

@@ -272,3 +272,24 @@ def test_glue_runs_give_every_thread_the_same_number_of_runs(tokens, threads):
     assert 1 <= run <= TOKEN_RUN
     assert runs % threads == 0 or runs < threads
     assert runs * run - tokens < runs  # the last run is short by less than one token per run
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), tokens=st.integers(2, 40), scale=st.sampled_from([0.01, 1.0, 30.0]))
+def test_a_lone_tokens_norm_and_silu_are_its_bits_among_many(seed, tokens, scale):
+    """A lone token takes the glue's own loop along its features (the one along tokens stayed
+    scalar: SiLU 7 against 0.5 us a layer of SmolLM2), and gets the same bits as beside others:
+    a token's result does not depend on the rest of its step."""
+    from poot.engine.drivers.cpu.kernels import glue as kernels
+
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((576, tokens)) * scale).astype(np.float32)
+    gate_up = (rng.standard_normal((2 * 1536, tokens)) * scale * 10).astype(np.float32)
+    norms, acts = np.empty_like(x), np.empty((1536, tokens), np.float32)
+    kernels.rms_run(x, np.float32(1e-5), norms, 0, tokens)
+    kernels.silu_rows(gate_up, acts, 0, 1536)
+    for t in (0, tokens // 2, tokens - 1):
+        norm, act = np.empty((576, 1), np.float32), np.empty((1536, 1), np.float32)
+        kernels.rms_run(np.ascontiguousarray(x[:, t : t + 1]), np.float32(1e-5), norm, 0, 1)
+        kernels.silu_rows(np.ascontiguousarray(gate_up[:, t : t + 1]), act, 0, 1536)
+        assert np.array_equal(norm[:, 0], norms[:, t]) and np.array_equal(act[:, 0], acts[:, t])

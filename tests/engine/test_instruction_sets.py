@@ -6,6 +6,7 @@ machine thus checks what a CPU without AVX-512 runs, and compares the two bit fo
 - The integer products are the same bits on AVX2 as on AVX-512 VNNI (or as natively, on a
   host whose own instruction set is AVX2).
 - The instruction set never changes the plan's rows or positions; the plan names it.
+- MKL keeps to the mode's instruction sets too.
 - Without AVX2 the driver still serves, on the float paths.
 - The integer path's own tests pass on AVX2.
 """
@@ -84,6 +85,21 @@ def test_no_instruction_set_changes_the_plans_rows_or_positions(probe):
     assert facts["avx2"]["kv"] == facts["native"]["kv"] == "uint16" and facts["avx2"]["stack"]
     assert facts["native"]["isa"] == target.isa(target.host_features())
     assert facts["x86-64"]["isa"] == "x86-64"
+
+
+def test_mkl_keeps_to_the_instruction_sets_of_the_mode(probe):
+    """MKL picks its code by the CPU, not by numba's target: held to AVX2, an AVX-512 host
+    would otherwise time (and serve) MKL's products on AVX-512 (its GEMM there ran 1.6x faster)."""
+    from poot.engine.drivers.cpu.platform import mkl
+
+    facts = {mode: probe(mode)["facts"] for mode in target.CHOICES}
+    if facts["native"]["mkl"] is None:
+        pytest.skip(mkl.unavailable_reason())
+    assert facts["avx2"]["mkl"] == "avx2"
+    assert facts["x86-64"]["mkl"] == "sse4_2"
+    order = list(mkl.BRANCHES.values())
+    if "+avx512f" in target.host_features():
+        assert order.index(facts["native"]["mkl"]) > order.index("avx2"), facts["native"]["mkl"]
 
 
 def test_avx2s_logits_are_the_native_ones_to_float_rounding(probe):

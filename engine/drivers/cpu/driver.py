@@ -24,10 +24,11 @@ from ...ops import PAGED_OPS, STATE_OPS, unfused
 from ...plan import DeviceInfo, Plan
 from ...step import RowWork, StepArrays, StepOutput, host_logits
 from ..base import Driver
+from . import target
 from .attention import StepLayout, kv_cache_shape, step_layout
 from .decoder_stack import decoder_stack
 from .glue import Glue
-from .platform import huge_pages, mkl
+from .platform import host, huge_pages, mkl
 from .platform.host import cpu_name, host_memory_bytes
 from .products import ModelProducts
 from .products.choice_cache import ChoiceCache
@@ -97,7 +98,7 @@ class CpuDriver(Driver):
         return config.kv_bytes_per_token(2 if self._half_kv() else 4)
 
     def _uses_mkl(self) -> bool:
-        return self._want_mkl and self._kernels() and mkl.available()
+        return self._want_mkl and self._kernels() and mkl.available(self.runtime.requested_isa)
 
     def weight_bytes(self, model) -> int:
         """The weights, plus MKL's packed copy of every large matrix a product reads when the
@@ -135,6 +136,8 @@ class CpuDriver(Driver):
             # Several times slower: say so where the operator looks, not only in the plan.
             log.warning("%s: every step runs on the plain NumPy path", self.runtime.unavailable_reason())
         if self._kernels():
+            if warning := target.blas_warning(self.runtime.requested_isa, host.blas_core()):
+                log.warning("%s", warning)  # timings held to AVX2 would run AVX-512 wherever OpenBLAS is picked
             self._prepare_products(plan, model, pool)
         if pool is not None:
             pool.wait()

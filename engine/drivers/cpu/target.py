@@ -28,6 +28,11 @@ CHOICES = ("native", "avx2", "x86-64")
 # shift the 4-bit codes' bytes, an instruction Zen 1 to 3 do not have).
 PAST_AVX2 = ("avx512", "avx10", "amx", "avxvnni", "avxifma", "avxneconvert", "evex512", "gfni", "vaes", "vpclmulqdq")
 NEEDS = {"avx2": ("+avx2", "+fma", "+f16c")}  # what the host must have for a mode
+# NumPy's OpenBLAS picks its kernels by the CPU when NumPy loads, before this module can say
+# anything: OPENBLAS_CORETYPE set before then holds it to a mode (poot-serve sets it itself).
+# Its cores past AVX2 (DYNAMIC_ARCH's names) and the one to ask for instead.
+BLAS_PAST_AVX2 = ("SkylakeX", "Cooperlake", "SapphireRapids")
+BLAS_CORE = {"avx2": "Haswell"}
 
 
 def requested(value: str | None = None) -> str:
@@ -94,3 +99,12 @@ def isa(features: frozenset[str]) -> str:
 
     return {"vpdpwssd": "avx512-vnni", "vpmaddwd": "avx2"}.get(route_for(features)) or \
         ("avx" if "+avx" in features else "x86-64")
+
+
+def blas_warning(mode: str, core: str) -> str:
+    """What to tell the operator when NumPy's OpenBLAS (running `core`'s kernels) goes past
+    `mode`'s instruction sets; "" when it does not."""
+    if mode == "avx2" and core in BLAS_PAST_AVX2:
+        return (f"{VARIABLE}=avx2, but NumPy's OpenBLAS runs its {core} kernels (AVX-512): start the "
+                f"process with OPENBLAS_CORETYPE={BLAS_CORE['avx2']} for AVX2's")
+    return ""

@@ -32,6 +32,11 @@ def rms_run(x, eps, out, t0, n):
             acc[t] += v * v
     for t in range(n):
         acc[t] = np.float32(1) / np.float32(math.sqrt(acc[t] / features + eps))
+    if n == 1:  # a lone token: one loop along the features vectorizes (the sum above keeps its order)
+        scale = acc[0]
+        for f in range(features):
+            out[f, base] = x[f, base] * scale
+        return
     for f in range(features):
         for t in range(n):
             out[f, base + np.uint64(t)] = x[f, base + np.uint64(t)] * acc[t]
@@ -49,6 +54,12 @@ def rms_scale(x, eps, out, size):
 def silu_rows(gate_up, out, f0, n):
     inter, tokens = out.shape
     base = np.uint64(f0)
+    if tokens == 1:  # a lone token: one loop along the features vectorizes (the nested one stayed scalar)
+        for f in range(n):
+            u = base + np.uint64(f)
+            g = gate_up[u, 0]
+            out[u, 0] = g / (np.float32(1) + exp(-g)) * gate_up[np.uint64(inter) + u, 0]
+        return
     for f in range(n):
         u = base + np.uint64(f)
         for t in range(tokens):

@@ -1,9 +1,12 @@
-"""The host as the plan sees it: the memory a driver may fill, and the CPU's name."""
+"""The host as the plan sees it: the memory a driver may fill, the CPU's name, and which CPU
+NumPy's BLAS took it for."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import platform
+from pathlib import Path
 
 
 def host_memory_bytes() -> int:
@@ -30,3 +33,23 @@ def cpu_name() -> str:
     except OSError:
         pass
     return f"{name}, {len(os.sched_getaffinity(0))} cores"
+
+
+def blas_core() -> str:
+    """The CPU whose kernels NumPy's OpenBLAS runs (its DYNAMIC_ARCH choice, made when NumPy
+    loaded it; OPENBLAS_CORETYPE set before then picks another), or "" where that cannot be
+    read (another BLAS, another build)."""
+    import numpy as np
+
+    for library in sorted((Path(np.__file__).parent.parent / "numpy.libs").glob("*openblas*")):
+        try:
+            lib = ctypes.CDLL(str(library))
+        except OSError:
+            continue
+        for name in ("scipy_openblas_get_corename64_", "scipy_openblas_get_corename", "openblas_get_corename64_",
+                     "openblas_get_corename"):
+            corename = getattr(lib, name, None)
+            if corename is not None:
+                corename.restype = ctypes.c_char_p
+                return (corename() or b"").decode()
+    return ""

@@ -25,6 +25,8 @@ import threading
 
 import numpy as np
 
+from .. import target
+
 _ROW_MAJOR, _NO_TRANS, _TRANS, _A_MATRIX, _B_MATRIX, _PACKED = 101, 111, 112, 161, 162, 151
 _THREADING_GNU = 3
 # Products run on a multiple of this many columns (zero-padded): MKL's packed products are
@@ -35,7 +37,17 @@ PAD_TOKENS = 16
 # would pack thousands of matrices).
 MIN_PACKED_WEIGHTS = 1 << 16
 
+# What MKL may dispatch to when the kernels are held to fewer instruction sets (target.py's
+# modes): MKL picks its code by the CPU, not by numba's target, so on an AVX-512 host held to
+# AVX2 it would otherwise run its AVX-512 GEMM (2048^3 on a 2-core Xeon: 326 GFLOP/s, 205 held
+# to AVX2, 77 to SSE4.2). mkl_service.h's MKL_ENABLE_SSE4_2 and MKL_ENABLE_AVX2.
+_ENABLE = {"x86-64": 0, "avx2": 2}
+
+# The code MKL's dispatcher picked (mkl_cbwr.h's MKL_CBWR_* branches), by name.
+BRANCHES = {8: "sse4_2", 9: "avx", 10: "avx2", 12: "avx512", 14: "avx512_e1"}
+
 _lib = None
+_isa: str | None = None  # the mode MKL was held to when it loaded
 _error: str | None = None
 _lock = threading.Lock()
 
@@ -51,11 +63,15 @@ def _find_library() -> str:
     raise OSError("the mkl package has no libmkl_rt")
 
 
-def _load():
+def _load(isa: str):
     lib = ctypes.CDLL(_find_library())
-    # Before any other MKL call: the threading layer is chosen once, at the first one.
+    # Before any other MKL call: the threading layer and the instruction sets are chosen once, at the first one.
     lib.MKL_Set_Threading_Layer.argtypes = [ctypes.c_int]
     lib.MKL_Set_Threading_Layer(_THREADING_GNU)
+    if isa in _ENABLE:
+        lib.MKL_Enable_Instructions.argtypes = [ctypes.c_int]
+        if lib.MKL_Enable_Instructions(_ENABLE[isa]) != 1:
+            raise RuntimeError(f"MKL refused to keep to {isa}")
     c_int, c_ptr, c_float = ctypes.c_int, ctypes.c_void_p, ctypes.c_float
     lib.cblas_sgemm_pack_get_size.restype = ctypes.c_size_t
     lib.cblas_sgemm_pack_get_size.argtypes = [c_int] * 4
@@ -67,22 +83,35 @@ def _load():
     return lib
 
 
-def available() -> bool:
-    """Loads MKL once per process and checks it on a known product."""
-    global _lib, _error
+def available(isa: str | None = None) -> bool:
+    """Loads MKL once per process, held to the instruction sets of `isa` (target.py's modes;
+    None: POOT_CPU_ISA's), and checks it on a known product. MKL fixes them at its first call,
+    so a later call asking for another mode than the first gets False."""
+    global _lib, _isa, _error
+    isa = target.requested(isa)
     with _lock:
         if _lib is None and _error is None:
             try:
-                _lib = _load()
+                _lib, _isa = _load(isa), isa
                 _smoke()
             except Exception as exc:  # no wheel, an unloadable library, a wrong result
                 _lib = None
                 _error = f"{type(exc).__name__}: {exc}".splitlines()[0]
-    return _lib is not None
+    return _lib is not None and _isa == isa
 
 
-def unavailable_reason() -> str:
-    return "" if available() else f"MKL products unavailable: {_error}"
+def dispatched() -> str:
+    """The instruction sets MKL's code runs on in this process (BRANCHES' names), once loaded."""
+    if _lib is None:
+        raise RuntimeError("MKL is not loaded")
+    branch = _lib.MKL_CBWR_Get_Auto_Branch()
+    return BRANCHES.get(branch, f"branch {branch}")
+
+
+def unavailable_reason(isa: str | None = None) -> str:
+    if available(isa):
+        return ""
+    return f"MKL products unavailable: {_error or f'MKL was loaded for {_isa}, not {target.requested(isa)}'}"
 
 
 def _smoke() -> None:

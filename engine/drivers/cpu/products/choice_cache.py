@@ -6,7 +6,8 @@ stays the same until something it depends on changes.
 
 The key (`choice_key`) is everything that can change the answer: the CPU (its name and cores,
 its flags, the features numba compiles for, which name any instruction set forced on it),
-the threads the products run on, the libraries' versions (numpy, numba, llvmlite, mkl), the
+the threads the products run on, the libraries' versions (numpy, numba, llvmlite, mkl) and
+the settings that pick their code (OPENBLAS_CORETYPE, MKL_ENABLE_INSTRUCTIONS), the
 products (each shape's matrices, code types and candidate paths), the plan's rows and token
 budget, and the project's version. A file is used only when the key it holds is the one asked
 for; one that cannot be read or parsed is ignored with one log line and replaced by the next
@@ -30,11 +31,14 @@ from ..platform.host import cpu_name
 
 log = logging.getLogger("poot.engine")
 
-# Bumped whenever choice.py would decide differently from the same timings, so that what an
-# older rule chose is measured again.
-CHOICE_FORMAT = 1
+# Bumped whenever choice.py would decide differently from the same timings, or the paths it
+# times run differently, so that what an older rule chose is measured again (2: MKL held to
+# the instruction sets of POOT_CPU_ISA's mode).
+CHOICE_FORMAT = 2
 LIBRARIES = ("numpy", "numba", "llvmlite", "mkl")
 THREAD_SETTINGS = ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+# The libraries' own choice of code: which CPU OpenBLAS takes this one for, what MKL may dispatch to.
+LIBRARY_SETTINGS = ("OPENBLAS_CORETYPE", "MKL_ENABLE_INSTRUCTIONS")
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +123,7 @@ def choice_key(shapes: list[dict], rows: int, token_budget: int, max_step_tokens
         "target": [numba.config.CPU_NAME or "host", sorted(runtime.features())],
         "threads": [numba.config.NUMBA_NUM_THREADS, *(os.environ.get(k) for k in THREAD_SETTINGS[1:])],
         "libraries": {name: _version(name) for name in LIBRARIES},
+        "library_settings": [os.environ.get(k) for k in LIBRARY_SETTINGS],
         "products": sorted(shapes, key=lambda s: (s["shape"], s["head"])),
         "plan": {"rows": rows, "token_budget": token_budget, "max_step_tokens": max_step_tokens},
     }

@@ -14,7 +14,7 @@ class MklPath(ValuesPath):
 
     @classmethod
     def available(cls, runtime) -> bool:
-        return mkl.available()
+        return mkl.available(runtime.requested_isa)
 
     def __init__(self, values: np.ndarray, head: bool, quantize=None):
         """The matrix packed (for the head as MKL's right-hand matrix, so its logits come out
