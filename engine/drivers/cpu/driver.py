@@ -20,7 +20,7 @@ import logging
 import numpy as np
 
 from ...models import family
-from ...ops import PAGED_OPS, STATE_OPS, unfused
+from ...ops import PAGED_OPS, STATE_OPS
 from ...plan import DeviceInfo, Plan
 from ...step import RowWork, StepArrays, StepOutput, host_logits
 from ..base import Driver
@@ -155,7 +155,7 @@ class CpuDriver(Driver):
     def _prepare_products(self, plan: Plan, model, pool: huge_pages.Zeroing | None) -> None:
         for _ in range(self.runtime.compile()):
             self._built()
-        parts = unfused(self.program.ops)
+        parts = self.program.flat_ops
         names = sorted({w for op in parts if op.name in ("matmul", "matmul_add") for w in op.weights})
         head = next((op.weights[0] for op in parts if op.name == "head"), None)
         codes = self._block_codes(model)

@@ -31,7 +31,7 @@ class ArrayOps:
     def __init__(self, program: Program, weights: dict, kv: list | None, state: list | None):
         self.program, self.w, self.kv, self.state = program, weights, kv, state
         self.dims, self.eps = program.dims, program.eps
-        self.ops = unfused(program.ops)  # the program's ops, a fused op as its parts
+        self.ops = program.flat_ops  # the program's ops, a fused op as its parts
 
     def run(self, step, layout: StepLayout | None) -> np.ndarray:
         """Runs every op of the program over one step (engine/step.py's StepArrays, and its
