@@ -11,10 +11,13 @@
 
 from __future__ import annotations
 
+import logging
+
 from ..step import DeviceFault, RowWork, StepArrays, StepOutput, StepRefused
 from .base import Driver
 
 BACKENDS = ("auto", "numpy", "wgpu", "vulkan", "ptx", "rocm")
+log = logging.getLogger("poot.engine")
 
 
 def make_driver(backend: str = "auto") -> Driver:
@@ -31,30 +34,37 @@ def make_driver(backend: str = "auto") -> Driver:
 
         return CupyDriver(backend)
     if backend == "auto":
-        cuda = _cuda_driver()
+        cuda, why_not = _cuda_driver()
         if cuda is not None:
+            log.info("backend auto: a CUDA device: ptx")
             return cuda
-        from .wgpu_driver import adapters, is_hardware
+        from .wgpu_driver import WgpuDriver, adapters, describe, is_hardware
 
-        hardware = [a for a in adapters() if is_hardware(a)]
+        found = adapters()
+        hardware = [a for a in found if is_hardware(a)]
+        seen = "; ".join(describe(a) for a in found) or "none"
         if hardware:
-            from .wgpu_driver import WgpuDriver
-
+            log.info("backend auto: no CUDA device (%s); WebGPU adapters: %s: wgpu on %s", why_not, seen,
+                     describe(hardware[0]))
             return WgpuDriver("wgpu", hardware[0])
+        log.info("backend auto: no CUDA device (%s); WebGPU adapters: %s; no hardware GPU: numpy, the CPU",
+                 why_not, seen)
     from .cpu import CpuDriver
 
     return CpuDriver()
 
 
-def _cuda_driver() -> Driver | None:
-    """The CuPy driver on a CUDA device, or None: a missing, broken or device-less CuPy
-    never stops `auto` from falling back."""
+def _cuda_driver() -> tuple[Driver | None, str]:
+    """The CuPy driver on a CUDA device, or None and why not: a missing, broken or
+    device-less CuPy never stops `auto` from falling back."""
     try:
         from .cupy_driver import CupyDriver
 
-        return CupyDriver("ptx")
-    except Exception:
-        return None
+        return CupyDriver("ptx"), ""
+    except ImportError:
+        return None, "CuPy is not installed"
+    except Exception as e:  # noqa: BLE001 - any failure means no CUDA device for auto
+        return None, " ".join(str(e).split())[:120] or type(e).__name__
 
 
 __all__ = ["BACKENDS", "DeviceFault", "Driver", "RowWork", "StepArrays", "StepOutput", "StepRefused", "make_driver"]

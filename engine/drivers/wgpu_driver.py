@@ -23,6 +23,11 @@ head_dim) with slot = block * block_size + offset. Recurrent state: per layer a 
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
+import tempfile
+
 import numpy as np
 
 from ..models import family
@@ -66,10 +71,25 @@ def adapters() -> list:
         import wgpu
     except ImportError:
         return []
+    quiet_display_lookup()
     try:
         return list(wgpu.gpu.enumerate_adapters_sync())
     except Exception:  # no loader, no ICD: nothing to offer
         return []
+
+
+def quiet_display_lookup() -> None:
+    """Gives this process a private, empty XDG_RUNTIME_DIR where it has none. Listing adapters
+    loads Mesa's drivers, which look for a Wayland display through libwayland, and libwayland
+    prints "error: XDG_RUNTIME_DIR is invalid or not set" for each (four lines, on a server
+    that has no display to find and nothing wrong). In an empty folder it finds no display
+    and says nothing."""
+    current = os.environ.get("XDG_RUNTIME_DIR", "")
+    if current.startswith("/") and os.path.isdir(current):
+        return
+    folder = tempfile.mkdtemp(prefix="poot-runtime-")  # mode 0700, as the variable's spec asks
+    os.environ["XDG_RUNTIME_DIR"] = folder
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
 
 
 def describe(adapter) -> str:

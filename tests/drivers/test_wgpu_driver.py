@@ -261,7 +261,7 @@ def test_vulkan_without_a_vulkan_adapter_fails_start_up_saying_what_to_install(m
     from poot.engine.drivers import wgpu_driver
 
     monkeypatch.setattr(wgpu_driver, "adapters", lambda: [])
-    monkeypatch.setattr(drivers, "_cuda_driver", lambda: None)  # auto would take a CUDA device first
+    monkeypatch.setattr(drivers, "_cuda_driver", lambda: (None, "none here"))  # auto would take a CUDA device first
     with pytest.raises(wgpu_driver.NoAdapter, match="mesa-vulkan-drivers"):
         make_driver("vulkan")
     with pytest.raises(wgpu_driver.NoAdapter, match="no WebGPU adapter"):
@@ -274,7 +274,7 @@ def test_auto_takes_a_cpu_adapter_for_the_cpu_driver(monkeypatch):
     from poot.engine import drivers
     from poot.engine.drivers import wgpu_driver
 
-    monkeypatch.setattr(drivers, "_cuda_driver", lambda: None)  # auto would take a CUDA device first
+    monkeypatch.setattr(drivers, "_cuda_driver", lambda: (None, "none here"))  # auto would take a CUDA device first
 
     if any(wgpu_driver.is_hardware(a) for a in wgpu_driver.adapters()):
         pytest.skip("this machine has a hardware GPU adapter")

@@ -7,14 +7,20 @@ written to an .npz:
   of 16 blocks), or nothing where this process has no integer path;
 - a block-coded synthetic Llama's logits through the CPU driver, over steps mixing prefill
   chunks and decode rows;
-- the plan's facts: its instruction set, rows, positions, KV blocks and the KV cache's type.
+- the plan's facts: its instruction set, rows, positions, KV blocks and the KV cache's type;
+  the code MKL runs, or why it does not, and the paths the products of block codes are offered.
 
-    POOT_CPU_ISA=avx2 python -m tests.engine.isa_probe OUT.npz
+    POOT_CPU_ISA=avx2 python -m tests.engine.isa_probe OUT.npz [--facts-only]
+
+With POOT_PROBE_MKL=refuses, MKL answers every request to keep to a mode with a refusal, as it
+does on CPUs that are not Intel's (with MKL_CBWR=COMPATIBLE beside it, it also runs its generic
+code, as a CPU it knows nothing of would): an Intel machine checks what an AMD one does.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from types import SimpleNamespace
 
@@ -58,9 +64,13 @@ def products(runtime, path: str) -> dict[str, np.ndarray]:
     return out
 
 
-def main(target: str) -> None:
+def main(target: str, facts_only: bool = False) -> None:
     from poot.engine.drivers.cpu import CpuDriver
     from poot.engine.drivers.cpu.platform import mkl
+    from poot.engine.drivers.cpu.products.registry import CODE_PATHS
+
+    if os.environ.get("POOT_PROBE_MKL") == "refuses":
+        mkl.hold = lambda lib, isa: False
     from poot.engine.drivers.cpu.products.integer import integer_path
     from poot.engine.drivers.cpu.runtime import shared
     from poot.engine.models.synthetic import synthetic_llama
@@ -70,20 +80,23 @@ def main(target: str) -> None:
 
     runtime = shared()
     kind = integer_path(runtime)
-    arrays = products(runtime, kind.name) if kind is not None else {}
+    arrays = products(runtime, kind.name) if kind is not None and not facts_only else {}
     model = synthetic_llama(7, block_coded=True)
     driver = CpuDriver(memory_bytes=1 << 30)
     plan = fit_plan(driver.device(), model.config, driver.weight_bytes(model), model.name,
                     kv_bytes_per_token=driver.kv_bytes_per_token(model.config))
     driver.prepare(plan, model)
-    for k, logits in enumerate(feed_steps(driver, [0, 1, 2], STEPS)):
+    for k, logits in enumerate(feed_steps(driver, [0, 1, 2], [] if facts_only else STEPS)):
         arrays[f"logits/{k}"] = logits
     facts = {"isa": plan.isa, "path": kind.name if kind else None, "rows": plan.rows, "positions": plan.positions,
              "num_blocks": plan.num_blocks, "kv": str(driver.kv_pool.dtype), "stack": driver.stack is not None,
-             "mkl": mkl.dispatched() if mkl.available(runtime.requested_isa) else None}
+             "mkl": mkl.dispatched() if mkl.available(runtime.requested_isa) else None,
+             "mkl_reason": mkl.unavailable_reason(runtime.requested_isa),
+             "offered": [k.name for k in CODE_PATHS if k.available(runtime)],
+             "token_multiple": driver.device().token_multiple}
     arrays["facts"] = np.array(json.dumps(facts))
     np.savez(target, **arrays)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], "--facts-only" in sys.argv[2:])

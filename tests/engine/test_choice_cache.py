@@ -176,7 +176,7 @@ def test_the_key_holds_what_it_says(model, tmp_path):
     assert set(key) == {"format", "poot", "cpu", "flags", "target", "threads", "libraries", "library_settings",
                         "products", "plan"}
     assert set(key["libraries"]) == {"numpy", "numba", "llvmlite", "mkl"}
-    assert key["library_settings"] == [os.environ.get("OPENBLAS_CORETYPE"), os.environ.get("MKL_ENABLE_INSTRUCTIONS")]
+    assert key["library_settings"] == [os.environ.get(k) for k in ("OPENBLAS_CORETYPE", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR")]
     assert key["plan"] == {"rows": 32, "token_budget": 80, "max_step_tokens": 176}
     assert all({"shape", "head", "matrices", "codes", "paths"} <= set(p) for p in key["products"])
     assert ChoiceCache(tmp_path).read(key) is not None

@@ -6,7 +6,9 @@ machine thus checks what a CPU without AVX-512 runs, and compares the two bit fo
 - The integer products are the same bits on AVX2 as on AVX-512 VNNI (or as natively, on a
   host whose own instruction set is AVX2).
 - The instruction set never changes the plan's rows or positions; the plan names it.
-- MKL keeps to the mode's instruction sets too.
+- MKL keeps to the mode's instruction sets too, or, where it will not be held (on CPUs that are
+  not Intel's), the mode has no MKL products: never MKL code past the mode. The refusal is
+  forced on any machine (POOT_PROBE_MKL=refuses), so an Intel machine checks the AMD answer.
 - Without AVX2 the driver still serves, on the float paths.
 - The integer path's own tests pass on AVX2.
 """
@@ -43,10 +45,13 @@ def _env(mode: str) -> dict[str, str]:
 
 
 @functools.cache
-def _probe(mode: str, folder: str) -> dict[str, np.ndarray]:
-    out = Path(folder) / f"{mode}.npz"
-    done = subprocess.run([sys.executable, "-m", "tests.engine.isa_probe", str(out)], cwd=ROOT, env=_env(mode),
-                          capture_output=True, text=True, timeout=1200)
+def _probe(mode: str, folder: str, forced: str = "") -> dict[str, np.ndarray]:
+    """`forced`: "refuses" runs the probe with MKL refusing every hold and on its generic code
+    (a CPU it does not know), facts only."""
+    out = Path(folder) / f"{mode}{'-' + forced if forced else ''}.npz"
+    env = _env(mode) | ({"POOT_PROBE_MKL": forced, "MKL_CBWR": "COMPATIBLE"} if forced else {})
+    done = subprocess.run([sys.executable, "-m", "tests.engine.isa_probe", str(out), *(["--facts-only"] if forced else [])],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stderr[-3000:]
     with np.load(out) as data:
         arrays = {k: data[k] for k in data.files}
@@ -57,7 +62,7 @@ def _probe(mode: str, folder: str) -> dict[str, np.ndarray]:
 @pytest.fixture(scope="module")
 def probe(tmp_path_factory):
     folder = str(tmp_path_factory.mktemp("isa"))
-    return lambda mode: _probe(mode, folder)
+    return lambda mode, forced="": _probe(mode, folder, forced)
 
 
 def _products(arrays: dict) -> list[str]:
@@ -87,19 +92,48 @@ def test_no_instruction_set_changes_the_plans_rows_or_positions(probe):
     assert facts["x86-64"]["isa"] == "x86-64"
 
 
+# The code MKL may run in each held mode (platform/mkl.py's branch names).
+WITHIN = {"x86-64": {"compatible", "sse2", "ssse3", "sse4_1", "sse4_2"}}
+WITHIN["avx2"] = WITHIN["x86-64"] | {"avx", "avx2"}
+
+
+def assert_mkl_keeps_to(mode: str, facts: dict) -> None:
+    """The project's answer in a held mode, whichever MKL does: it runs within the mode's
+    instruction sets, or it is out (with the reason), and then no product is offered MKL,
+    so no choice, measured or kept, can name it, and steps are not padded for it."""
+    if facts["mkl"] is not None:
+        assert facts["mkl"] in WITHIN[mode], (mode, facts["mkl"])
+        assert "mkl" in facts["offered"]
+        return
+    assert "MKL refused to keep to " + mode in facts["mkl_reason"] or "MKL kept to" in facts["mkl_reason"], facts
+    assert "mkl" not in facts["offered"] and facts["token_multiple"] == 1, facts
+
+
 def test_mkl_keeps_to_the_instruction_sets_of_the_mode(probe):
     """MKL picks its code by the CPU, not by numba's target: held to AVX2, an AVX-512 host
-    would otherwise time (and serve) MKL's products on AVX-512 (its GEMM there ran 1.6x faster)."""
+    would otherwise time (and serve) MKL's products on AVX-512 (its GEMM there ran 1.6x faster).
+    On Intel's CPUs MKL is held (AVX2 and SSE4.2 code); on AMD's it refuses, and is left out."""
     from poot.engine.drivers.cpu.platform import mkl
 
     facts = {mode: probe(mode)["facts"] for mode in target.CHOICES}
-    if facts["native"]["mkl"] is None:
-        pytest.skip(mkl.unavailable_reason())
-    assert facts["avx2"]["mkl"] == "avx2"
-    assert facts["x86-64"]["mkl"] == "sse4_2"
+    assert facts["native"]["mkl"] is not None, facts["native"]["mkl_reason"]  # the wheel is a test dependency
+    assert facts["native"]["mkl"] in mkl.BRANCHES.values(), facts["native"]["mkl"]
+    for mode in ("avx2", "x86-64"):
+        assert_mkl_keeps_to(mode, facts[mode])
     order = list(mkl.BRANCHES.values())
-    if "+avx512f" in target.host_features():
+    if "+avx512f" in target.host_features() and facts["native"]["mkl"] != "auto":  # Intel's
         assert order.index(facts["native"]["mkl"]) > order.index("avx2"), facts["native"]["mkl"]
+
+
+def test_an_mkl_that_refuses_to_be_held_is_left_out_of_the_held_mode(probe):
+    """What an AMD CPU does, forced on this one: MKL refuses to keep to AVX2 (and runs its
+    generic code, MKL_CBWR=COMPATIBLE). Held to AVX2 the driver then has no MKL products and
+    says why; natively it still offers MKL, on the code MKL named, for the choice to measure."""
+    held, native = probe("avx2", "refuses")["facts"], probe("native", "refuses")["facts"]
+    assert held["mkl"] is None and "MKL refused to keep to avx2" in held["mkl_reason"], held
+    assert_mkl_keeps_to("avx2", held)
+    assert held["path"] == "avx2" and "avx2" in held["offered"] and "openblas" in held["offered"]
+    assert native["mkl"] == "compatible" and "mkl" in native["offered"], native
 
 
 def test_avx2s_logits_are_the_native_ones_to_float_rounding(probe):

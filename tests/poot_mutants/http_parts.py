@@ -434,6 +434,14 @@ class DrainExit1(ServerState):
         super().drained()
 
 
+class ExitAtSigterm(ServerState):
+    """Shutdown is a stop: the process exits 1 at once, cutting the streams in flight before
+    their end, and /health never says draining."""
+
+    def begin_drain(self):
+        os._exit(1)
+
+
 class CancelOnDrain(ServerState):
     """Shutdown cuts the requests in flight off instead of letting them finish (needs the
     engine_parts.CancelAllOnDrain engine)."""

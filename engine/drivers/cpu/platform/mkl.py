@@ -43,8 +43,19 @@ MIN_PACKED_WEIGHTS = 1 << 16
 # to AVX2, 77 to SSE4.2). mkl_service.h's MKL_ENABLE_SSE4_2 and MKL_ENABLE_AVX2.
 _ENABLE = {"x86-64": 0, "avx2": 2}
 
-# The code MKL's dispatcher picked (mkl_cbwr.h's MKL_CBWR_* branches), by name.
-BRANCHES = {8: "sse4_2", 9: "avx", 10: "avx2", 12: "avx512", 14: "avx512_e1"}
+# The code branches MKL names (mkl_cbwr.h's MKL_CBWR_* values), by name. On a CPU that is not
+# Intel's MKL names none of its own: its dispatcher answers MKL_CBWR_AUTO ("auto"), and
+# MKL_Enable_Instructions refuses every request (an AMD EPYC Zen 3 with MKL 2026.2: its own
+# sgemm ran as fast as OpenBLAS's there, 72 against 74 GFLOP/s; the generic branch, forced
+# with MKL_CBWR=COMPATIBLE, at a third of that).
+BRANCHES = {2: "auto", 3: "compatible", 4: "sse2", 6: "ssse3", 7: "sse4_1", 8: "sse4_2", 9: "avx", 10: "avx2",
+            12: "avx512", 14: "avx512_e1"}
+_AUTO, _CNR_BRANCH = 2, 1
+# The branches each held mode's instruction sets cover: a mode whose MKL dispatches past them,
+# or cannot be held at all, has no MKL products (the products of many tokens then run on the
+# integer, block and OpenBLAS paths, which the mode does hold).
+_WITHIN = {"x86-64": ("compatible", "sse2", "ssse3", "sse4_1", "sse4_2")}
+_WITHIN["avx2"] = (*_WITHIN["x86-64"], "avx", "avx2")
 
 _lib = None
 _isa: str | None = None  # the mode MKL was held to when it loaded
@@ -63,15 +74,23 @@ def _find_library() -> str:
     raise OSError("the mkl package has no libmkl_rt")
 
 
+def hold(lib, isa: str) -> bool:
+    """Asks MKL to keep to the instruction sets of `isa` (a held mode); whether it agreed."""
+    lib.MKL_Enable_Instructions.argtypes = [ctypes.c_int]
+    return lib.MKL_Enable_Instructions(_ENABLE[isa]) == 1
+
+
 def _load(isa: str):
     lib = ctypes.CDLL(_find_library())
     # Before any other MKL call: the threading layer and the instruction sets are chosen once, at the first one.
     lib.MKL_Set_Threading_Layer.argtypes = [ctypes.c_int]
     lib.MKL_Set_Threading_Layer(_THREADING_GNU)
     if isa in _ENABLE:
-        lib.MKL_Enable_Instructions.argtypes = [ctypes.c_int]
-        if lib.MKL_Enable_Instructions(_ENABLE[isa]) != 1:
-            raise RuntimeError(f"MKL refused to keep to {isa}")
+        if not hold(lib, isa):
+            raise RuntimeError(f"MKL refused to keep to {isa} (it does on CPUs that are not Intel's)")
+        branch = _branch(lib)
+        if branch not in _WITHIN[isa]:
+            raise RuntimeError(f"MKL kept to {isa} but dispatches to its {branch} code")
     c_int, c_ptr, c_float = ctypes.c_int, ctypes.c_void_p, ctypes.c_float
     lib.cblas_sgemm_pack_get_size.restype = ctypes.c_size_t
     lib.cblas_sgemm_pack_get_size.argtypes = [c_int] * 4
@@ -81,6 +100,15 @@ def _load(isa: str):
     lib.cblas_sgemm_batch_strided.argtypes = ([c_int] * 6 + [c_float] + [c_ptr, c_int, c_int] * 2
                                               + [c_float, c_ptr, c_int, c_int, c_int])
     return lib
+
+
+def _branch(lib) -> str:
+    """The code MKL runs: the branch MKL_CBWR forces, where it forces one MKL took, else the
+    one its dispatcher picks for this CPU."""
+    lib.MKL_CBWR_Get.argtypes = [ctypes.c_int]
+    forced = lib.MKL_CBWR_Get(_CNR_BRANCH)
+    branch = forced if forced > _AUTO else lib.MKL_CBWR_Get_Auto_Branch()
+    return BRANCHES.get(branch, f"branch {branch}")
 
 
 def available(isa: str | None = None) -> bool:
@@ -101,11 +129,10 @@ def available(isa: str | None = None) -> bool:
 
 
 def dispatched() -> str:
-    """The instruction sets MKL's code runs on in this process (BRANCHES' names), once loaded."""
+    """The code MKL runs in this process (BRANCHES' names), once loaded."""
     if _lib is None:
         raise RuntimeError("MKL is not loaded")
-    branch = _lib.MKL_CBWR_Get_Auto_Branch()
-    return BRANCHES.get(branch, f"branch {branch}")
+    return _branch(_lib)
 
 
 def unavailable_reason(isa: str | None = None) -> str:

@@ -7,7 +7,7 @@ stays the same until something it depends on changes.
 The key (`choice_key`) is everything that can change the answer: the CPU (its name and cores,
 its flags, the features numba compiles for, which name any instruction set forced on it),
 the threads the products run on, the libraries' versions (numpy, numba, llvmlite, mkl) and
-the settings that pick their code (OPENBLAS_CORETYPE, MKL_ENABLE_INSTRUCTIONS), the
+the settings that pick their code (OPENBLAS_CORETYPE, MKL_ENABLE_INSTRUCTIONS, MKL_CBWR), the
 products (each shape's matrices, code types and candidate paths), the plan's rows and token
 budget, and the project's version. A file is used only when the key it holds is the one asked
 for; one that cannot be read or parsed is ignored with one log line and replaced by the next
@@ -38,7 +38,7 @@ CHOICE_FORMAT = 2
 LIBRARIES = ("numpy", "numba", "llvmlite", "mkl")
 THREAD_SETTINGS = ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 # The libraries' own choice of code: which CPU OpenBLAS takes this one for, what MKL may dispatch to.
-LIBRARY_SETTINGS = ("OPENBLAS_CORETYPE", "MKL_ENABLE_INSTRUCTIONS")
+LIBRARY_SETTINGS = ("OPENBLAS_CORETYPE", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR")
 
 
 @dataclass(frozen=True, slots=True)
