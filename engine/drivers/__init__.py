@@ -6,12 +6,16 @@
     ptx      CUDA through CuPy: engine/drivers/cuda's kernels and cuBLAS (pip install 'poot[ptx]')
     rocm     the CuPy driver on ROCm (HIP): the same kernels built by hiprtc, hipBLAS (pip install 'poot[rocm]')
     auto     a CUDA device through CuPy, else a hardware GPU adapter through wgpu, else numpy (never
-             rocm, which has not yet run on AMD hardware)
+             rocm, which has not yet run on AMD hardware). On Linux a machine with no GPU device
+             file goes straight to numpy: probing CuPy and wgpu costs a start about two seconds
+             of CPU (wgpu-py parses its C headers, Mesa loads its drivers) to find nothing.
 """
 
 from __future__ import annotations
 
+import glob
 import logging
+import sys
 
 from ..step import DeviceFault, RowWork, StepArrays, StepOutput, StepRefused
 from .base import Driver
@@ -33,7 +37,9 @@ def make_driver(backend: str = "auto") -> Driver:
         from .cupy_driver import CupyDriver
 
         return CupyDriver(backend)
-    if backend == "auto":
+    if backend == "auto" and gpu_device_files() == []:
+        log.info("backend auto: no GPU device file (%s): numpy, the CPU", ", ".join(GPU_DEVICE_FILES))
+    elif backend == "auto":
         cuda, why_not = _cuda_driver()
         if cuda is not None:
             log.info("backend auto: a CUDA device: ptx")
@@ -52,6 +58,20 @@ def make_driver(backend: str = "auto") -> Driver:
     from .cpu import CpuDriver
 
     return CpuDriver()
+
+
+# What a hardware GPU's driver exposes on Linux, whichever API reaches it: DRM render nodes
+# (Mesa's Vulkan and GL drivers, AMD's and Intel's), NVIDIA's own device files, AMD's compute
+# node, and WSL's paravirtual GPU.
+GPU_DEVICE_FILES = ("/dev/dri/renderD*", "/dev/nvidia[0-9]*", "/dev/kfd", "/dev/dxg")
+
+
+def gpu_device_files() -> list[str] | None:
+    """The GPU device files present (GPU_DEVICE_FILES), or None where the platform does not
+    say (not Linux: Metal, DirectX)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    return sorted(f for pattern in GPU_DEVICE_FILES for f in glob.glob(pattern))
 
 
 def _cuda_driver() -> tuple[Driver | None, str]:

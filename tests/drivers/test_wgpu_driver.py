@@ -5,6 +5,10 @@ count, the adapter limits absorbed, device errors mapped to the loop's two failu
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -262,6 +266,7 @@ def test_vulkan_without_a_vulkan_adapter_fails_start_up_saying_what_to_install(m
 
     monkeypatch.setattr(wgpu_driver, "adapters", lambda: [])
     monkeypatch.setattr(drivers, "_cuda_driver", lambda: (None, "none here"))  # auto would take a CUDA device first
+    monkeypatch.setattr(drivers, "gpu_device_files", lambda: ["/dev/dri/renderD128"])  # auto probes
     with pytest.raises(wgpu_driver.NoAdapter, match="mesa-vulkan-drivers"):
         make_driver("vulkan")
     with pytest.raises(wgpu_driver.NoAdapter, match="no WebGPU adapter"):
@@ -275,10 +280,50 @@ def test_auto_takes_a_cpu_adapter_for_the_cpu_driver(monkeypatch):
     from poot.engine.drivers import wgpu_driver
 
     monkeypatch.setattr(drivers, "_cuda_driver", lambda: (None, "none here"))  # auto would take a CUDA device first
+    monkeypatch.setattr(drivers, "gpu_device_files", lambda: ["/dev/dri/renderD128"])  # auto probes the adapters
 
     if any(wgpu_driver.is_hardware(a) for a in wgpu_driver.adapters()):
         pytest.skip("this machine has a hardware GPU adapter")
     assert make_driver("auto").backend == "numpy"
+
+
+def test_auto_on_a_machine_without_gpu_device_files_probes_nothing(monkeypatch, caplog):
+    """No /dev/dri render node, no NVIDIA or AMD compute file: no hardware adapter can exist, so
+    auto neither loads wgpu-py and Mesa nor CuPy (about two seconds of a start) and says why."""
+    from poot.engine import drivers
+    from poot.engine.drivers import wgpu_driver
+
+    def probed(*a):
+        raise AssertionError("probed a device")
+
+    monkeypatch.setattr(drivers, "gpu_device_files", lambda: [])
+    monkeypatch.setattr(drivers, "_cuda_driver", probed)
+    monkeypatch.setattr(wgpu_driver, "adapters", probed)
+    with caplog.at_level("INFO", logger="poot.engine"):
+        assert make_driver("auto").backend == "numpy"
+    assert [r.getMessage() for r in caplog.records if "backend auto" in r.getMessage()] == [
+        "backend auto: no GPU device file (/dev/dri/renderD*, /dev/nvidia[0-9]*, /dev/kfd, /dev/dxg): numpy, the CPU"]
+
+
+def test_listing_adapters_without_xdg_runtime_dir_prints_no_error():
+    """Mesa's drivers look for a Wayland display while wgpu lists adapters; without
+    XDG_RUNTIME_DIR libwayland printed an error line per driver (`--backend wgpu` or `vulkan`,
+    or auto on a machine with a GPU device file)."""
+    env = {k: v for k, v in os.environ.items() if k != "XDG_RUNTIME_DIR"}
+    done = subprocess.run([sys.executable, "-c", "from poot.engine.drivers.wgpu_driver import adapters; "
+                           "print(len(adapters()))"], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "error" not in (done.stdout + done.stderr).lower(), done.stderr
+
+
+def test_gpu_device_files_are_read_on_linux_only(monkeypatch):
+    from poot.engine import drivers
+
+    monkeypatch.setattr(drivers.sys, "platform", "darwin")
+    assert drivers.gpu_device_files() is None  # Metal: nothing to look at, so auto probes
+    monkeypatch.setattr(drivers.sys, "platform", "linux")
+    monkeypatch.setattr(drivers.glob, "glob", lambda pattern: ["/dev/dri/renderD128"] if "dri" in pattern else [])
+    assert drivers.gpu_device_files() == ["/dev/dri/renderD128"]
 
 
 @pytest.mark.realmodel

@@ -93,7 +93,9 @@ def test_poot_serve_on_a_terminal_draws_the_line_and_says_when_it_is_ready():
 def test_a_good_start_on_the_cpu_prints_no_error_and_one_line_on_the_backend_probe():
     """Without XDG_RUNTIME_DIR (a service, a container, CI), listing WebGPU adapters loads Mesa's
     drivers, whose display lookup printed "error: XDG_RUNTIME_DIR is invalid or not set" four
-    times before the model loaded. `auto` now says what it found in one line, and nothing else."""
+    times before the model loaded. `auto` now says what it found in one line, and nothing else
+    (here, with no GPU device file, it lists no adapters at all; with one, it lists them quietly:
+    tests/drivers/test_wgpu_driver.py)."""
     env = {k: v for k, v in os.environ.items() if k != "XDG_RUNTIME_DIR"}
     proc = subprocess.Popen([EXE, "--model", "synthetic", "--port", "0"], stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
@@ -114,4 +116,4 @@ def test_a_good_start_on_the_cpu_prints_no_error_and_one_line_on_the_backend_pro
     assert "Uvicorn running on" in text and "ready after" in text, text
     assert not [line for line in lines if "error" in line.lower()], text
     probe = [line for line in lines if "backend auto:" in line]
-    assert len(probe) == 1 and "no hardware GPU: numpy" in probe[0], text
+    assert len(probe) == 1 and probe[0].endswith(": numpy, the CPU"), text
