@@ -12,6 +12,7 @@ safetensors numpy API cannot read BF16, so BF16 tensors are read from the file's
 from __future__ import annotations
 
 import json
+import mmap
 import re
 import struct
 from pathlib import Path
@@ -137,6 +138,35 @@ def _header(path: Path) -> tuple[dict, int]:
         if start + end > size:
             raise ModelLoadError(f"truncated safetensors file {path.name}: tensor {name} ends past the end of the file")
     return header, start
+
+
+MAPPED_TYPES = {"F32": np.float32, "F16": np.float16, "U8": np.uint8, "I8": np.int8, "I32": np.int32}
+
+
+def map_tensors(path: Path) -> dict[str, np.ndarray]:
+    """Every tensor of a safetensors file of MAPPED_TYPES, mapped copy-on-write, not read:
+    a page is read from the file (or found in the page cache) when first used, a tensor never
+    used costs nothing, and a write goes to the process's own copy of its page, never to the
+    file. The arrays stay valid when the file is replaced or removed (its pages stay while
+    mapped). ModelLoadError for a tensor of another type or one whose bytes do not fit it."""
+    header, start = _header(path)
+    with open(path, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = MAPPED_TYPES.get(info.get("dtype"))
+        if dtype is None:
+            raise ModelLoadError(f"{path.name}: tensor {name} is {info.get('dtype')}, which is not mapped")
+        begin, end = (int(x) for x in info["data_offsets"])
+        shape = tuple(int(d) for d in info["shape"])
+        count = int(np.prod(shape, dtype=np.int64))
+        if end - begin != count * np.dtype(dtype).itemsize:
+            raise ModelLoadError(f"corrupt safetensors file {path.name}: tensor {name} has {end - begin} bytes "
+                                 f"for shape {list(shape)}")
+        out[name] = np.frombuffer(mapped, dtype, count, start + begin).reshape(shape)
+    return out
 
 
 def _read_bf16(path: Path, start: int, info: dict) -> np.ndarray:

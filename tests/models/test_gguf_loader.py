@@ -53,17 +53,28 @@ def test_f32_round_trip_is_exact_and_maps_the_config(tmp_path):
 def _root(a):
     while isinstance(a, np.ndarray) and a.base is not None:
         a = a.base
-    return a
+    return a.obj if isinstance(a, memoryview) else a
 
 
-def test_weights_are_writeable_and_do_not_map_the_file(tmp_path):
+def test_weights_are_writeable_and_a_load_from_the_cache_maps_it_copy_on_write(tmp_path):
+    """The cache's weights are mapped, not read (a driver on block codes reads few of them),
+    and copy-on-write: they stay writeable, and a write stays in the process, never in the
+    cache file another start will read."""
     path = tmp_path / "tiny.gguf"
     write_gguf(path)
-    for _ in range(2):  # the second load reads the cache the first one wrote
-        model = load_gguf(path, cache=True, cache_dir=tmp_path / "cache")
-        for name, arr in model.weights.items():
-            assert arr.flags.writeable and arr.flags.c_contiguous, name
-            assert not isinstance(_root(arr), np.memmap | mmap.mmap | bytes), name
+    first = load_gguf(path, cache=True, cache_dir=tmp_path / "cache")
+    for name, arr in first.weights.items():
+        assert arr.flags.writeable and arr.flags.c_contiguous, name
+        assert not isinstance(_root(arr), np.memmap | mmap.mmap | bytes), name  # dequantized here
+    cached = load_gguf(path, cache=True, cache_dir=tmp_path / "cache")
+    for name, arr in cached.weights.items():
+        assert arr.flags.writeable and arr.flags.c_contiguous and arr.dtype == np.float32, name
+        assert isinstance(_root(arr), mmap.mmap), name
+        np.testing.assert_array_equal(arr, first.weights[name])
+    name = next(iter(cached.weights))
+    cached.weights[name][...] = 7.0
+    again = load_gguf(path, cache=True, cache_dir=tmp_path / "cache")
+    np.testing.assert_array_equal(again.weights[name], first.weights[name])
 
 
 @pytest.mark.parametrize("qtype, rtol_of_max", [(Q.F16, 1e-3), (Q.BF16, 1e-2), (Q.Q8_0, 1e-2),
