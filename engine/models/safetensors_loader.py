@@ -162,7 +162,7 @@ def map_tensors(path: Path) -> dict[str, np.ndarray]:
         begin, end = (int(x) for x in info["data_offsets"])
         shape = tuple(int(d) for d in info["shape"])
         count = int(np.prod(shape, dtype=np.int64))
-        if end - begin != count * np.dtype(dtype).itemsize:
+        if begin < 0 or end - begin != count * np.dtype(dtype).itemsize:
             raise ModelLoadError(f"corrupt safetensors file {path.name}: tensor {name} has {end - begin} bytes "
                                  f"for shape {list(shape)}")
         out[name] = np.frombuffer(mapped, dtype, count, start + begin).reshape(shape)

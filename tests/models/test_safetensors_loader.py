@@ -173,3 +173,39 @@ def test_missing_pieces(tmp_path):
     with pytest.raises(ModelLoadError) as err:
         load_safetensors(folder)
     assert_one_line(err, "config.json")
+
+
+def _write_raw(path, header: dict, data: bytes) -> None:
+    raw = json.dumps(header).encode()
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + data)
+
+
+def test_mapped_tensors_read_the_file_and_keep_writes_to_the_process(tmp_path):
+    from safetensors.numpy import save_file
+
+    from poot.engine.models.safetensors_loader import map_tensors
+
+    path = tmp_path / "t.safetensors"
+    want = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "c": np.arange(6, dtype=np.uint8)}
+    save_file(want, str(path))
+    got = map_tensors(path)
+    for name, arr in want.items():
+        np.testing.assert_array_equal(got[name], arr)
+        assert got[name].flags.writeable and got[name].dtype == arr.dtype
+    got["w"][0, 0] = 99
+    np.testing.assert_array_equal(map_tensors(path)["w"], want["w"])  # the file is unchanged
+
+
+@pytest.mark.parametrize(("entry", "match"), [
+    ({"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}, "has 4 bytes for shape"),
+    ({"dtype": "F32", "shape": [1], "data_offsets": [-4, 0]}, "has 4 bytes for shape"),
+    ({"dtype": "BF16", "shape": [2], "data_offsets": [0, 4]}, "BF16, which is not mapped"),
+    ({"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}, "ends past the end of the file"),
+])
+def test_a_mapped_tensor_whose_bytes_do_not_fit_is_refused(tmp_path, entry, match):
+    from poot.engine.models.safetensors_loader import map_tensors
+
+    path = tmp_path / "bad.safetensors"
+    _write_raw(path, {"t": entry}, bytes(8))
+    with pytest.raises(ModelLoadError, match=match):
+        map_tensors(path)
