@@ -36,7 +36,10 @@ def stopped(d: Drain) -> str:
 def health_verdict(d: Drain) -> str | None:
     """Why drain/health/1 fails, or None when it passes."""
     if not d.health:
-        return f"the request ({d.max_tokens} tokens) ended before /health could be asked"
+        if d.done and d.finish_reason == "length":  # the suite's request was too short for this server
+            return f"the request ({d.max_tokens} tokens) ended before /health could be asked"
+        return "; ".join(filter(None, [stopped(d), "the stream in flight ended at the shutdown signal "
+                                       f"({ending(d)}), before /health could be asked"]))
     for status, body in d.health:
         if status is None:
             return "; ".join(filter(None, [stopped(d), f"/health got no answer after the shutdown signal "
@@ -54,10 +57,19 @@ def inflight_verdict(d: Drain) -> str | None:
     how = "; ".join(filter(None, [stopped(d), d.stream_error]))
     how = f" ({how})" if how else ""
     if not d.done:
-        seen = (f"after its last chunk (finish_reason {d.finish_reason!r})" if d.finish_reason
-                else "before its last chunk (no finish_reason)")
-        return f"the stream in flight at shutdown was cut off {seen}: it ended without [DONE]{how}"
+        return f"the stream in flight at shutdown was cut off {ending(d)}{how}"
+    if d.finish_reason is None:
+        return f"the stream in flight at shutdown ended with [DONE] but no finish_reason{how}, expected 'length'"
     return f"the stream in flight at shutdown ended with finish_reason {d.finish_reason!r}{how}, expected 'length'"
+
+
+def ending(d: Drain) -> str:
+    """How the stream in flight ended, where it did not end as it should."""
+    if d.done:
+        return f"[DONE] after finish_reason {d.finish_reason!r}" if d.finish_reason else "[DONE] with no finish_reason"
+    if d.finish_reason:
+        return f"after its last chunk (finish_reason {d.finish_reason!r}): it ended without [DONE]"
+    return "before its last chunk (no finish_reason): it ended without [DONE]"
 
 
 def exit_verdict(d: Drain) -> str | None:

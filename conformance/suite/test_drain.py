@@ -51,6 +51,8 @@ def run_drain(spawn, timeout: float, probes: Probes) -> Drain:
             except httpx.HTTPError:
                 drain.new_request = "refused"
         drain.stream_ended_before_poll = not drain.health
+        if drain.stream_ended_before_poll and drain.stopped_at_signal is None:
+            drain.stopped_at_signal = server.proc.poll()
         try:
             Mux([stream]).run(timeout=60)
         except AssertionError as e:

@@ -39,4 +39,25 @@ def test_a_stream_ended_early_with_done_names_its_finish_reason():
 def test_a_health_answer_other_than_draining_is_quoted():
     d = Drain(health=[(503, {"status": "draining"}), (200, {"status": "ok"})], finish_reason="length", done=True)
     assert health_verdict(d) == "while draining /health answered 200 {'status': 'ok'}, expected 503 status 'draining'"
-    assert "ended before /health could be asked" in health_verdict(Drain())
+
+
+
+def test_a_request_that_ended_normally_before_health_was_asked_names_the_suites_sizing():
+    d = Drain(max_tokens=400, finish_reason="length", done=True, exit_code=0)
+    assert health_verdict(d) == "the request (400 tokens) ended before /health could be asked"
+
+
+def test_a_stream_cut_at_the_signal_before_health_was_asked_is_not_called_short():
+    """vLLM 0.32 with its default --shutdown-timeout 0: the stream in flight ends at SIGTERM,
+    before the first probe of /health; that is the server not draining, not a short request."""
+    d = Drain(max_tokens=400, finish_reason=None, done=False)
+    assert health_verdict(d) == ("the stream in flight ended at the shutdown signal (before its last chunk (no "
+                                 "finish_reason): it ended without [DONE]), before /health could be asked")
+    d.stopped_at_signal = -15
+    assert health_verdict(d).startswith("the server stopped at the shutdown signal (exited with status -15)")
+
+
+def test_a_stream_ended_with_done_but_no_finish_reason_says_so():
+    d = Drain(health=[(None, {"no answer": "ConnectError"})], finish_reason=None, done=True)
+    assert inflight_verdict(d) == ("the stream in flight at shutdown ended with [DONE] but no finish_reason, "
+                                   "expected 'length'")
