@@ -18,7 +18,7 @@ expect=(--expectations ci/expectations/vllm.yaml)
 exec poot-conformance \
   --server-cmd "env VLLM_CPU_KVCACHE_SPACE=2 $python -m vllm.entrypoints.openai.api_server --model $model \
 --served-model-name SmolLM2-135M-Instruct --host 127.0.0.1 --port {port} --dtype float32 \
---max-model-len 4096 --max-num-seqs 8 --max-num-batched-tokens 512" \
+--max-model-len 4096 --max-num-seqs 8 --max-num-batched-tokens 512 --enable-auto-tool-choice --tool-call-parser hermes" \
   --startup-timeout 600 --strict \
   "${expect[@]}" \
   --json "$out/report.json" --junit "$out/junit.xml" --markdown "$out/report.md" "$@"

@@ -14,7 +14,8 @@ SOURCES_DIR = SPEC_DIR / "sources"
 SUITE_DIR = Path(__file__).parent / "suite"
 
 LEVELS = ("MUST", "SHOULD")
-PROFILES = ("core", "metrics", "faults", "startup", "prefix", "determinism", "speculative", "sampling", "extensions")
+PROFILES = ("core", "metrics", "faults", "startup", "prefix", "determinism", "speculative", "sampling", "extensions",
+            "structured", "tools")
 # Where a clause's requirement comes from. A failure of a clause sourced from the reference
 # design may be another server's own choice rather than a bug; the report counts those apart
 # (a clause with a `design_choice` says what other servers do instead).
@@ -23,7 +24,8 @@ SOURCES = {
     "sse": "the server-sent events format (HTML Living Standard)",
     "design": "the reference design (seed 000: poot-serve's scheduling loop, /health and /metrics)",
     "practice": "continuous-batching serving practice (seed 001)",
-    "extension": "an extension of OpenAI's API that servers share (vLLM's sampling parameters)",
+    "extension": "an extension of OpenAI's API that servers share (vLLM's sampling parameters, response_format on "
+                 "/v1/completions)",
 }
 NEEDS = ("metrics", "plan", "fault-injection", "server-command", "recurrent-model", "speculative-server", "api-key")
 ID_PATTERN = re.compile(r"^[a-z]+(/[a-z0-9-]+)*/[0-9]+$")

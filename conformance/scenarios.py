@@ -353,3 +353,31 @@ def need_cached_tokens(client: Client) -> str:
         return "the prefix-hit counter on /metrics"
     facts.need("cached_tokens", "prefix_hits")
     raise AssertionError("unreachable")
+
+
+def refusal_of(client: Client, path: str, body: dict, stream: bool, what: str) -> tuple[int, str]:
+    """The status and body of the answer to a request that must be refused at once."""
+    import httpx
+
+    try:
+        with client.http.stream("POST", path, json={**body, "stream": stream}, timeout=10.0) as r:
+            return r.status_code, r.read().decode(errors="replace")
+    except httpx.TimeoutException:
+        raise AssertionError(f"{what} got no answer within 10 s, expected a 4xx at once") from None
+
+
+def refused_with_error(status: int, text: str, what: str, served: str) -> None:
+    """A 4xx whose body holds an error object with a message: never a 5xx, never a 200.
+    `served`: what a 200 that carries no error means (the field ignored, ...)."""
+    if status == 200:
+        in_stream = any(line.startswith("data:") and '"error"' in line for line in text.splitlines())
+        why = ("an error event inside the stream: a request refused at once gets its 4xx before any event"
+               if in_stream else served)
+        raise AssertionError(f"{what} answered 200, expected a 4xx: {why}: {text[:300]}")
+    assert 400 <= status < 500, f"{what} answered {status}, expected a 4xx: {text[:300]}"
+    try:
+        error = json.loads(text).get("error")
+    except (ValueError, AttributeError):
+        error = None
+    assert isinstance(error, dict) and isinstance(error.get("message"), str) and error["message"], \
+        f"{what} answered {status} with no error object holding a message: {text[:300]!r}"

@@ -72,6 +72,7 @@ class _Job:
     prompt: str | list[int]
     params: SamplingParams
     more: tuple[RequestHandle, ...] = ()  # the handles of choices 1.. of a request with n > 1
+    grammars: tuple = ()  # grammar.Matcher per choice, where the output must match a grammar
 
 
 class Engine:
@@ -154,17 +155,21 @@ class Engine:
         self._thread.start()
 
     def submit(self, prompt: str | list[int], params: SamplingParams,
-               sink: Callable[[Event], None]) -> RequestHandle:
-        """A request of one choice."""
-        return self.submit_choices(prompt, params, [sink])[0]
+               sink: Callable[[Event], None], grammar=None) -> RequestHandle:
+        """A request of one choice; `grammar`: its grammar.Matcher, where its output must match one."""
+        return self.submit_choices(prompt, params, [sink], None if grammar is None else [grammar])[0]
 
     def submit_choices(self, prompt: str | list[int], params: SamplingParams,
-                       sinks: list[Callable[[Event], None]]) -> list[RequestHandle]:
+                       sinks: list[Callable[[Event], None]], grammars: list | None = None) -> list[RequestHandle]:
         """One request with len(sinks) choices: one handle and event stream per choice, all
-        admitted together, the prompt prefilled once (engine/choices.py)."""
+        admitted together, the prompt prefilled once (engine/choices.py). `grammars`: a fresh
+        grammar.Matcher per choice, made by the caller (making one compiles, which the loop
+        must not wait for), or None."""
         params.validate()
+        if grammars is not None and len(grammars) != len(sinks):
+            raise ValueError("one grammar matcher per choice")
         handles = [RequestHandle(next(self._ids), sink) for sink in sinks]
-        job = _Job(handles[0], prompt, params, tuple(handles[1:]))
+        job = _Job(handles[0], prompt, params, tuple(handles[1:]), tuple(grammars or ()))
         with self._lock:
             if self._health.status != "ok":
                 raise EngineDead(self._health.reason or "the engine is not serving")
@@ -302,7 +307,8 @@ class Engine:
                 # Choice 0 samples as the same request with n = 1 would; choice i draws from
                 # the same seed's stream i (a request without a seed gets a random one).
                 seqs.append(Sequence(handle, prompt, job.params, self.stop_checker(decode, job.params.stop),
-                                     self.random_stream(job.params.seed, i)))
+                                     self.random_stream(job.params.seed, i),
+                                     grammar=job.grammars[i] if job.grammars else None))
             if job.more:
                 shared = choices.num_shared_blocks(len(prompt), self.plan.block_size, recurrent=self.plan.num_blocks == 0,
                                                    scores_prompt=job.params.prompt_logprobs is not None)
@@ -437,11 +443,13 @@ class Engine:
                 kept.scores.append(pick.logprob)
             kept.tokens.append(token)
             seq.output.append(token)
+            if seq.grammar is not None:
+                seq.grammar.consume(token)
             released, stopped = seq.stops.add(token)
             kept.text.append(released)
             if stopped:
                 kept.reason = "stop"
-            elif self.ends_on_eos(seq, token):
+            elif self.ends_on_eos(seq, token) or (seq.grammar is not None and seq.grammar.done):
                 kept.reason = "stop"
             elif self.reached_max_tokens(seq):
                 kept.reason = "length"

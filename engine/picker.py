@@ -1,4 +1,5 @@
-"""Picks each row's next token: logits processors, then the sampler, then (when asked) logprobs.
+"""Picks each row's next token: logits processors, the row's grammar (engine/grammar.py: the
+tokens it does not allow next go to -inf), then the sampler, then (when asked) logprobs.
 
 One component, so the loop calls it for every committed position, greedy or sampled, plain
 or speculative. A row that needs nothing but the sampler (no logprobs, no logits processor
@@ -33,6 +34,8 @@ class Picker:
     def pick(self, logits: np.ndarray, seq: Sequence) -> Picked:
         params = seq.params
         z = logits_processors.apply(logits, params, seq.prompt, seq.output, self.eos_ids)
+        if seq.grammar is not None:
+            z = seq.grammar.mask(z)
         token = sampler.sample(z, params, 0.0 if params.greedy else seq.stream.uniform(len(seq.output)))
         if params.logprobs is None:
             return Picked(token)
@@ -40,9 +43,10 @@ class Picker:
 
     def device_pick(self, seq: Sequence) -> Pick | None:
         """How the driver may pick the row's next tokens in this step, or None when the host
-        needs its logits (logprobs, a logits processor acting, a prompt being scored)."""
+        needs its logits (logprobs, a logits processor acting, a grammar, a prompt being scored)."""
         params = seq.params
-        if params.logprobs is not None or logits_processors.is_active(params, len(seq.output)):
+        if params.logprobs is not None or logits_processors.is_active(params, len(seq.output)) or \
+                seq.grammar is not None:
             return None
         if seq.prefilling and params.prompt_logprobs is not None:
             return None

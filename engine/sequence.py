@@ -38,6 +38,7 @@ class Sequence:
     output: list[int] = field(default_factory=list)
     group: Any = None  # choices.ChoiceGroup of a request with n > 1 choices
     prompt_scores: list = field(default_factory=list)  # echo: the prompt's TokenLogprobs so far
+    grammar: Any = None  # grammar.Matcher: what its output must match (response_format), or None
     opened_at: float | None = None  # time.perf_counter() when it took a row
     first_token_at: float | None = None  # ... and when its first output token was committed
 

@@ -18,6 +18,7 @@ from poot.engine.events import Finished, PromptLogprobs, Tokens
 from . import openai
 from .logprobs_shape import CompletionLogprobs, TokenTexts, chat_content, merge_completion
 from .openai import Parsed
+from .tools import CallReader
 
 
 @dataclass(slots=True)
@@ -43,6 +44,8 @@ class Answer:
         prompt = parsed.prompt
         self.prompt_text = prompt if isinstance(prompt, str) else model.tokenizer.decode(prompt)
         self.outputs = [ChoiceOutput(i, CompletionLogprobs(self.texts)) for i in range(parsed.choices.count)]
+        # A chat that may call tools: each streamed choice's text read as it comes (server/tools.py).
+        self.readers = [CallReader() for _ in self.outputs] if parsed.tools is not None else None
 
     @property
     def wants_logprobs(self) -> bool:
@@ -83,8 +86,8 @@ class Answer:
             text = "".join(o.text) + o.end.text
             if self.p.chat:
                 lp = {"content": o.chat_parts} if self.wants_logprobs else None
-                choices.append({"index": i, "message": {"role": "assistant", "content": text},
-                                "logprobs": lp, "finish_reason": o.end.reason})
+                message, reason = self.message(text, o.end.reason)
+                choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": reason})
             else:
                 lp = merge_completion(o.completion_parts) if self.wants_logprobs else None
                 if lp is None and self.wants_logprobs:
@@ -93,6 +96,18 @@ class Answer:
         return {"id": self.rid, "object": "chat.completion" if self.p.chat else "text_completion",
                 "created": self.created, "model": self.name, "choices": choices, "usage": use,
                 "timings": self.timings()}
+
+    def message(self, text: str, reason: str) -> tuple[dict, str]:
+        """A whole chat choice's message and finish_reason: its text, or the tool calls it
+        made (finish_reason tool_calls). A call cut short by max_tokens stays text."""
+        if self.readers is None:
+            return {"role": "assistant", "content": text}, reason
+        reader = CallReader()
+        reader.feed(text)
+        if reader.mode == "calls" and reader.made_calls:
+            return ({"role": "assistant", "content": None, "tool_calls": [c.as_dict() for c in reader.calls]},
+                    "tool_calls" if reason == "stop" else reason)
+        return {"role": "assistant", "content": text}, reason
 
     def timings(self) -> dict:
         end = self.outputs[0].end
@@ -115,10 +130,31 @@ class Answer:
     def choice_chunk(self, index: int, text: str, lp: dict | None, finish_reason: str | None = None,
                      role: bool = False) -> str:
         if self.p.chat:
-            delta = ({"role": "assistant", "content": ""} if role
-                     else {"content": text} if text or finish_reason is None else {})
+            if role:
+                delta = {"role": "assistant", "content": ""}
+            elif self.readers is not None:
+                delta, finish_reason = self.tool_delta(index, text, finish_reason)
+            else:
+                delta = {"content": text} if text or finish_reason is None else {}
             return self.chunk([{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}])
         return self.chunk([{"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason}])
+
+
+    def tool_delta(self, index: int, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+        """A streamed step of a chat that may call tools: content, or tool_calls entries
+        (each call's first with its index, id and name, then its arguments in pieces)."""
+        reader = self.readers[index]
+        content, calls = reader.feed(text)
+        if finish_reason is not None:
+            content += reader.finish()
+            if finish_reason == "stop" and reader.made_calls:
+                finish_reason = "tool_calls"
+        delta: dict = {}
+        if content or (not calls and finish_reason is None and reader.mode != "calls"):
+            delta["content"] = content
+        if calls:
+            delta["tool_calls"] = calls
+        return delta, finish_reason
 
 
 def usage(outputs: list[ChoiceOutput]) -> dict:

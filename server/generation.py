@@ -13,13 +13,14 @@ import asyncio
 import contextlib
 import dataclasses
 
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from poot.engine import EngineDead, InvalidRequest
 from poot.engine.events import Finished, PromptLogprobs, Rejected, Tokens
 
-from . import loading, openai
+from . import loading, openai, tools
 from .answer import Answer, ChoiceOutput, usage
 from .event_stream import EventStream
 from .openai import DONE, ApiError
@@ -48,12 +49,21 @@ async def generate(state: ServerState, request: Request, chat: bool) -> Response
     params = parsed.params
     if parsed.choices.best_of > parsed.choices.n and params.logprobs is None:
         params = dataclasses.replace(params, logprobs=0)  # best_of ranks by summed logprob
+    grammars = None
+    constraint = parsed.response_format or parsed.tools
+    if constraint is not None:
+        # Compiled (or found compiled) off the event loop and off the engine thread: a large
+        # schema takes a while, and no stream already running waits for it.
+        try:
+            grammars = await run_in_threadpool(state.matchers, constraint, parsed.choices.count)
+        except InvalidRequest as e:
+            raise openai.bad(str(e), e.param) from None
     loop = asyncio.get_running_loop()
     queues: list[asyncio.Queue] = [asyncio.Queue() for _ in range(parsed.choices.count)]
     # The engine calls the sinks on its own thread; each hands its event to the event loop.
     sinks = [lambda ev, q=q: loop.call_soon_threadsafe(q.put_nowait, ev) for q in queues]
     try:
-        handles = engine.submit_choices(parsed.prompt, params, sinks)
+        handles = engine.submit_choices(parsed.prompt, params, sinks, grammars)
     except InvalidRequest as e:
         raise openai.bad(str(e), e.param) from None
     except EngineDead as e:
@@ -82,13 +92,16 @@ async def generate(state: ServerState, request: Request, chat: bool) -> Response
 def parse(state: ServerState, engine, body: dict, chat: bool) -> openai.Parsed:
     if not chat:
         return openai.parse_completion(body, state.model_names)
-    messages = openai.parse_messages(body)
+    use = tools.parse_tool_use(body)
+    messages = tools.parse_tool_messages(openai.parse_messages(body), body["messages"])
+    own = loading.template_renders_tools(state.model)
     try:
-        prompt = loading.render_chat(state.model, messages)
+        prompt = loading.render_chat(state.model, tools.prompt_messages(messages, use, own),
+                                     use.as_template_tools() if use is not None and own else None)
     except InvalidRequest as e:
         raise openai.bad(str(e), e.param or "messages") from None
     ids = state.model.encode_prompt(prompt)  # once: the engine takes the ids as they are
-    return openai.parse_chat(body, state.model_names, ids, max(1, engine.plan.positions - len(ids)))
+    return openai.parse_chat(body, state.model_names, ids, max(1, engine.plan.positions - len(ids)), use)
 
 
 async def next_event(queue: asyncio.Queue, engine):

@@ -14,6 +14,7 @@ from poot.engine import InvalidRequest
 from poot.engine.models import load_model as _engine_load
 from poot.engine.models.base import ModelLoadError
 from poot.engine.models.chat import render_chat as _engine_render
+from poot.engine.models.chat import renders_tools as _renders_tools
 
 
 def precheck(spec: str | None) -> None:
@@ -38,11 +39,17 @@ def load_model(spec: str | None, progress=None):
     return _engine_load(spec, progress=progress)
 
 
-def render_chat(model, messages: list[dict]) -> str:
-    """Renders chat messages into a prompt with the model's template; InvalidRequest if it cannot."""
+def render_chat(model, messages: list[dict], tools: list[dict] | None = None) -> str:
+    """Renders chat messages into a prompt with the model's template (given `tools`, where it
+    renders them); InvalidRequest if it cannot."""
     try:
-        return _engine_render(model, messages)
+        return _engine_render(model, messages, tools=tools)
     except InvalidRequest:
         raise
     except Exception as e:  # the engine's renderer promises InvalidRequest; never let a 500 through
         raise InvalidRequest(f"the chat template cannot render these messages: {e}", "messages") from e
+
+
+def template_renders_tools(model) -> bool:
+    """The model's chat template renders the tools it is given (else server/tools.py offers them)."""
+    return _renders_tools(model)

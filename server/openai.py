@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
 from poot.engine import InvalidRequest, SamplingParams
 
@@ -40,6 +41,16 @@ def bad(message: str, param: str | None = None, code: str | None = None) -> ApiE
     return ApiError(400, message, param, code)
 
 
+@dataclass(slots=True, frozen=True)
+class ResponseFormat:
+    """What the output must be (response_format): any JSON object, or a document its JSON
+    schema accepts."""
+
+    kind: str  # json_object | json_schema
+    schema: dict | None = None  # json_schema's
+    name: str | None = None
+
+
 @dataclass(slots=True)
 class Parsed:
     chat: bool
@@ -48,6 +59,63 @@ class Parsed:
     stream: bool
     include_usage: bool
     choices: Choices = field(default_factory=Choices)  # n, best_of, echo, logprobs
+    response_format: ResponseFormat | None = None
+    tools: Any = None  # tools.ToolUse: the tools a chat answer may call, and how
+
+
+# Every field a request may hold, by endpoint; anything else is refused with a 400 naming it
+# (a field silently dropped is an answer that looks right and is not). A field sent as null
+# asks for nothing and is let through. IGNORED are taken and do nothing here, for the reason
+# server/README.md gives each.
+COMMON_FIELDS = frozenset({
+    "model", "stream", "stream_options", "max_tokens", "stop", "temperature", "top_p", "top_k", "seed", "n",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs", "response_format",
+    "store",  # false only (checked below): nothing is kept
+    # extensions other servers take too (vLLM, llama.cpp): the suite's extension clauses
+    "ignore_eos", "min_tokens", "stop_token_ids"})
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "best_of", "suffix"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                               "parallel_tool_calls"}
+IGNORED_FIELDS = frozenset({"user", "metadata", "service_tier"})
+
+
+def check_fields(body: dict, chat: bool) -> None:
+    known = (CHAT_FIELDS if chat else COMPLETION_FIELDS) | IGNORED_FIELDS
+    unknown = sorted(k for k, v in body.items() if k not in known and v is not None)
+    if unknown:
+        raise ApiError(400, f"unsupported field{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)}; this server "
+                       "does not implement " + ("them" if len(unknown) > 1 else "it"), unknown[0], "unsupported_parameter")
+    if body.get("store") is True:
+        raise ApiError(400, "store is not supported: this server keeps no completions", "store", "unsupported_parameter")
+
+
+def parse_response_format(body: dict) -> ResponseFormat | None:
+    """response_format: absent or {"type": "text"} asks for nothing; {"type": "json_object"};
+    {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}. The schema itself is
+    checked when compiled (engine/grammar.py)."""
+    v = body.get("response_format")
+    if v is None:
+        return None
+    if not isinstance(v, dict) or not isinstance(v.get("type"), str):
+        raise bad("response_format must be an object with a type: text, json_object or json_schema", "response_format")
+    kind = v["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return ResponseFormat("json_object")
+    if kind != "json_schema":
+        raise bad(f"response_format.type must be text, json_object or json_schema; got {kind!r}", "response_format")
+    spec = v.get("json_schema")
+    if not isinstance(spec, dict):
+        raise bad("response_format.json_schema must be an object with a name and a schema", "response_format")
+    name, schema, strict = spec.get("name"), spec.get("schema"), spec.get("strict")
+    if name is not None and not isinstance(name, str):
+        raise bad("response_format.json_schema.name must be a string", "response_format")
+    if strict is not None and not isinstance(strict, bool):
+        raise bad("response_format.json_schema.strict must be a boolean", "response_format")
+    if not isinstance(schema, dict):
+        raise bad("response_format.json_schema.schema must be a JSON Schema object", "response_format")
+    return ResponseFormat("json_schema", schema, name)
 
 
 def parse_body(raw: bytes) -> dict:
@@ -74,6 +142,7 @@ def _bool(body: dict, name: str, default: bool = False) -> bool:
 
 
 def _common(body: dict, *, chat: bool, default_max_tokens: int | None, models: tuple[str, ...]) -> dict:
+    check_fields(body, chat)
     model = body.get("model")
     if model is not None:
         if not isinstance(model, str):
@@ -125,7 +194,12 @@ def _common(body: dict, *, chat: bool, default_max_tokens: int | None, models: t
         params.validate()
     except InvalidRequest as e:
         raise bad(str(e), e.param) from None
-    return {"params": params, "stream": stream, "include_usage": include_usage, "choices": choices}
+    response_format = parse_response_format(body)
+    if response_format is not None and params.min_tokens:
+        # min_tokens holds end-of-sequence back, which a whole document needs next.
+        raise bad("min_tokens cannot be used with a response_format that constrains the output", "min_tokens")
+    return {"params": params, "stream": stream, "include_usage": include_usage, "choices": choices,
+            "response_format": response_format}
 
 
 def parse_completion(body: dict, models: tuple[str, ...]) -> Parsed:
@@ -167,15 +241,24 @@ def parse_messages(body: dict) -> list[dict]:
                     raise bad(f"messages[{i}].content parts must be text parts", "messages")
                 texts.append(part["text"])
             content = "".join(texts)
-        if not isinstance(content, str):
+        if content is None and role == "assistant" and m.get("tool_calls"):
+            content = None  # a turn of tool calls alone (server/tools.py reads them)
+        elif not isinstance(content, str):
             raise bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
         out.append({"role": role, "content": content})
     return out
 
 
-def parse_chat(body: dict, models: tuple[str, ...], prompt: list[int], default_max_tokens: int) -> Parsed:
+def parse_chat(body: dict, models: tuple[str, ...], prompt: list[int], default_max_tokens: int,
+               tools=None) -> Parsed:
+    """`tools`: the request's tools.ToolUse, parsed before its messages were rendered."""
     common = _common(body, chat=True, default_max_tokens=default_max_tokens, models=models)
-    return Parsed(True, prompt, **common)
+    if tools is not None and common["response_format"] is not None:
+        raise bad("response_format cannot be combined with tools the answer may call; send tool_choice none, or "
+                  "leave one out", "response_format")
+    if tools is not None and common["params"].min_tokens:
+        raise bad("min_tokens cannot be used with tools: a call block ends where its grammar says", "min_tokens")
+    return Parsed(True, prompt, **common, tools=tools)
 
 
 # ---- responses ----------------------------------------------------------------------------

@@ -37,6 +37,7 @@ class ServerState:
         self.request_exit = lambda: None  # set by the CLI: makes uvicorn shut down
         self.loop_lag = LoopLag()  # how late the event loop wakes (server/loop_lag.py)
         self.progress = Progress()  # what the start is doing, until the engine is ready
+        self.grammars = None  # engine.grammar.Grammars of the served tokenizer, once the model is loaded
 
     # ---- loading (runs on its own thread while the server already answers /health) ----
 
@@ -49,7 +50,13 @@ class ServerState:
             with ThreadPoolExecutor(1, thread_name_prefix="poot-driver") as pool:
                 driver = pool.submit(self.ready_driver)
                 model = loading.load_model(self.model_spec, self.progress)
-                engine = self.make_engine(model, driver.result())
+                driver = driver.result()
+                # Constrained decoding's view of the vocabulary is built while the engine
+                # prepares: building it holds the GIL for a few hundred milliseconds, which
+                # would stall every stream if the first response_format request did it.
+                grammars = pool.submit(self.grammars_for, model)
+                engine = self.make_engine(model, driver)
+                grammars = grammars.result()
             engine.start()
         except ModelLoadError as e:
             self.fatal(f"poot-serve: cannot load the model: {e}")
@@ -57,6 +64,7 @@ class ServerState:
             self.fatal(f"poot-serve: cannot start the engine: {type(e).__name__}: {e}")
         else:
             self.model = model
+            self.grammars = grammars
             names = [model.name]
             if self.model_spec and self.model_spec != model.name:
                 names.append(self.model_spec)
@@ -79,11 +87,41 @@ class ServerState:
         driver.preload()
         return driver
 
+    @staticmethod
+    def grammars_for(model):
+        """The model's constrained-decoding grammars (engine/grammar.py), vocabulary built."""
+        from poot.engine.grammar import Grammars
+        from poot.engine.params import InvalidRequest
+
+        grammars = Grammars(model.tokenizer)
+        try:
+            grammars.tokenizer()
+        except InvalidRequest as e:  # a model file's vocabulary is untrusted input
+            log.warning("%s", e)
+        return grammars
+
     def make_engine(self, model, driver=None):
         """The engine over `driver` (default: a new one from make_driver())."""
         from poot.engine import Engine
 
         return Engine.create(model, draft=self.draft, driver=driver or self.make_driver(), progress=self.progress)
+
+    def matchers(self, constraint, count: int) -> list:
+        """A fresh grammar matcher per choice for `constraint` (an openai.ResponseFormat, or a
+        tools.ToolUse), its grammar compiled once and kept. Runs on a worker thread;
+        InvalidRequest naming the field for what cannot be compiled."""
+        from poot.engine.grammar import JSON_OPTIONS
+
+        from .openai import ResponseFormat
+
+        g = self.grammars
+        if not isinstance(constraint, ResponseFormat):
+            grammar = g.lark(constraint.grammar(JSON_OPTIONS), "tools")
+        elif constraint.kind == "json_object":
+            grammar = g.json_object()
+        else:
+            grammar = g.json_schema(constraint.schema)
+        return [grammar.matcher() for _ in range(count)]
 
     def loading_body(self) -> dict:
         """What /health says while the engine is not ready yet: the start's current stage."""

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from poot.engine import Engine, SamplingParams, engine, events, ops, plan, step
+from poot.engine import Engine, SamplingParams, engine, events, grammar, ops, plan, step
 from poot.engine.drivers import BACKENDS
 from poot.engine.drivers.base import Driver
 
@@ -29,7 +29,7 @@ DOCS = [README, SERVER_README, ROOT / "conformance" / "README.md", ROOT / "loadt
         *sorted((ROOT / "docs").rglob("*.md"))]
 
 # Where the classes the contracts name are defined.
-CLASSES = {name: obj for module in (events, step, ops, plan, engine)
+CLASSES = {name: obj for module in (events, step, ops, plan, engine, grammar)
            for name, obj in vars(module).items() if inspect.isclass(obj) and obj.__module__ == module.__name__}
 CLASSES |= {"Engine": Engine, "SamplingParams": SamplingParams, "Driver": Driver}
 # What the contracts call an engine, a driver, ...: the class each stands for.

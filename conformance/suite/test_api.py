@@ -10,6 +10,7 @@ import pytest
 
 from poot.conformance.client import Client
 from poot.conformance.outcomes import NotSupported
+from poot.conformance.scenarios import refusal_names
 
 clause = pytest.mark.clause
 
@@ -292,6 +293,25 @@ def test_request_beyond_context_gets_400(client: Client):
 def test_unknown_path_gets_404(client: Client):
     assert client.get("/v1/no-such-thing").status_code == 404
     assert client.post("/v1/no-such-thing", {}).status_code == 404
+
+
+# A field no OpenAI-compatible server implements.
+NO_SUCH_FIELD = "poot_no_such_field"
+
+
+@clause("api/fields/1")
+def test_unimplemented_field_is_refused_by_name(client: Client):
+    chat = {"model": client.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    wrong = []
+    for path, body in (("/v1/completions", client.body("hi", max_tokens=4)), ("/v1/chat/completions", chat)):
+        r = answer_to_bad(client, path, {**body, NO_SUCH_FIELD: 1})
+        if r is None:
+            wrong.append(f"{path}: no answer within {REFUSE_WITHIN_S:.0f} s (taken and running)")
+        elif r.status_code == 200:
+            wrong.append(f"{path}: answered 200, the field silently dropped")
+        elif not refusal_names(r.status_code, r.text, NO_SUCH_FIELD):
+            wrong.append(f"{path}: answered {r.status_code} without naming it: {r.text[:200]}")
+    assert not wrong, f"a request carrying {NO_SUCH_FIELD!r} must get a 4xx naming the field; " + "; ".join(wrong)
 
 
 @clause("api/prompt/1")

@@ -17,7 +17,7 @@ import json
 from collections.abc import Mapping
 from datetime import datetime
 
-from jinja2 import TemplateError
+from jinja2 import TemplateError, meta
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -115,11 +115,29 @@ def render_template(template: str, messages, *, add_generation_prompt: bool = Tr
     return text
 
 
-def render_chat(model: LoadedModel, messages, add_generation_prompt: bool = True) -> str:
-    """The prompt text for a conversation with `model` (its own template, else ChatML)."""
+def render_chat(model: LoadedModel, messages, add_generation_prompt: bool = True,
+                tools: list[dict] | None = None) -> str:
+    """The prompt text for a conversation with `model` (its own template, else ChatML);
+    `tools` (OpenAI's function tools) for a template that renders them."""
     template = model.chat_template or CHATML_TEMPLATE
+    extra = {"tools": tools} if tools else {}
     return render_template(template, messages, add_generation_prompt=add_generation_prompt,
-                           special_tokens=model.special_tokens)
+                           special_tokens=model.special_tokens, **extra)
+
+
+def renders_tools(model: LoadedModel) -> bool:
+    """Whether the model's template reads a `tools` variable (Hugging Face's convention for
+    templates that write the tools into the prompt themselves)."""
+    return bool(model.chat_template) and "tools" in _variables(model.chat_template)
+
+
+@functools.lru_cache(maxsize=32)
+def _variables(template: str) -> frozenset[str]:
+    """The variables a template reads from its caller (none, for one that does not parse)."""
+    try:
+        return frozenset(meta.find_undeclared_variables(_environment().parse(template)))
+    except TemplateError:
+        return frozenset()
 
 
 def _one_line(e: BaseException) -> str:

@@ -22,6 +22,8 @@ from poot_mutants.registry import (
     CRASH_AT_START,
     MUTANTS,
     REFUSES_LOGPROBS,
+    REFUSES_RESPONSE_FORMAT,
+    REFUSES_TOOLS,
     REFUSES_UNKNOWN_FIELDS,
     ROWS_200_UNPUBLISHED,
     SAMPLING,
@@ -110,18 +112,47 @@ def test_a_server_that_refuses_logprobs_is_not_supported_for_them(tmp_path):
     assert code == 0, tail
 
 
+def test_a_server_that_refuses_response_format_is_not_supported_for_it(tmp_path):
+    """A server without structured outputs that refuses response_format with a 400 naming it:
+    every structured clause is not supported, never failed, and the refusal of an unknown field
+    is judged as on any server."""
+    clauses, code, tail = run_suite(REFUSES_RESPONSE_FORMAT, tmp_path)
+    structured = {cid for cid in clauses if cid.startswith("structured/")}
+    assert len(structured) >= 6 and all(clauses[cid]["outcome"] == "not_supported" and "response_format" in
+                                        clauses[cid]["why"] for cid in structured), \
+        {cid: f"{clauses[cid]['outcome']}: {clauses[cid]['why'][:200]}" for cid in structured}
+    others = {cid: f"{c['outcome']}: {c['why'][:200]}" for cid, c in clauses.items() if cid not in structured}
+    assert all(v.startswith("passed") for v in others.values()) and "api/fields/1" in others, others
+    assert code == 0, tail
+
+
+def test_a_server_that_refuses_tools_is_not_supported_for_them(tmp_path):
+    """A server without function tools that refuses tools with a 400 naming the field: every
+    tools clause is not supported, never failed, and the plain chat beside them still passes."""
+    clauses, code, tail = run_suite(REFUSES_TOOLS, tmp_path)
+    tools = {cid for cid in clauses if cid.startswith("tools/")}
+    assert len(tools) >= 7 and all(clauses[cid]["outcome"] == "not_supported" and "tools" in clauses[cid]["why"]
+                                   for cid in tools), \
+        {cid: f"{clauses[cid]['outcome']}: {clauses[cid]['why'][:200]}" for cid in tools}
+    others = {cid: f"{c['outcome']}: {c['why'][:200]}" for cid, c in clauses.items() if cid not in tools}
+    assert all(v.startswith("passed") for v in others.values()) and REFUSES_TOOLS.control in others, others
+    assert code == 0, tail
+
+
 def test_a_server_that_refuses_unknown_fields_is_not_supported_for_extensions_only(tmp_path):
     """A server that refuses every field outside OpenAI's API with a 422 naming it: the
-    extension clauses are not supported, and the clauses whose requests must run to their
-    max_tokens (kept going with ignore_eos on the reference server) still pass, sent with
-    OpenAI's own fields: no other clause depends on an extension."""
+    clauses about an extension (response_format on /v1/completions among them) are not
+    supported, and the clauses whose requests must run to their max_tokens (kept going with
+    ignore_eos on the reference server) still pass, sent with OpenAI's own fields: no other
+    clause depends on an extension. Structured outputs on chat, an OpenAI field, still pass."""
     clauses, code, tail = run_suite(REFUSES_UNKNOWN_FIELDS, tmp_path)
-    extensions = {cid for cid, c in clauses.items() if c["profile"] == "extensions"}
-    assert extensions == {"api/penalties/3", "api/ignore-eos/1"}, extensions
+    extensions = {cid for cid, c in clauses.items() if c["source"] == "extension"}
+    assert extensions == {"api/penalties/3", "api/ignore-eos/1", "structured/completions/1"}, extensions
     assert all(clauses[cid]["outcome"] == "not_supported" and "422" in clauses[cid]["why"] for cid in extensions), \
         {cid: clauses[cid]["why"] for cid in extensions}
     others = {cid: f"{c['outcome']}: {c['why'][:200]}" for cid, c in clauses.items() if cid not in extensions}
-    assert all(v.startswith("passed") for v in others.values()) and "drain/inflight/1" in others, others
+    assert all(v.startswith("passed") for v in others.values()), others
+    assert {"drain/inflight/1", "api/fields/1", "structured/json-schema/1"} <= set(others), others
     facts = json.loads((tmp_path / "report.json").read_text())["facts"]
     assert facts["ignore_eos"]["value"] is False and facts["long_requests"]["value"].startswith("logit_bias"), facts
     assert code == 0, tail

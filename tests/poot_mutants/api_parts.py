@@ -1,7 +1,9 @@
 """Defects of the sampling API (api/logprobs, api/echo, api/n, api/penalties), as ASGI
 wrappers around the unchanged app: each rewrites a request body before the app reads it, or
 the JSON of a whole answer and of each streamed event after the app wrote it. Each factory
-below takes (app, state), as the registry's middleware parts do."""
+below takes (app, state), as the registry's middleware parts do. The defects of structured
+outputs (structured_parts.py) and of function tools (tool_parts.py) are made of the same
+rewrites."""
 
 from __future__ import annotations
 
@@ -13,11 +15,14 @@ Json = dict
 
 
 class Rewrite:
-    """Wraps an ASGI app; `request` rewrites POST bodies, `answer` every JSON answer or event."""
+    """Wraps an ASGI app; `request` rewrites POST bodies, `answer` every JSON answer or event;
+    `refuse` names the field a request is refused for with a 400 (None: not refused); `when`
+    keeps every rewrite to the requests it holds for."""
 
     def __init__(self, app, request: Callable[[Json], Json] | None = None,
-                 answer: Callable[[Json], Json] | None = None, refuse: Callable[[Json], bool] | None = None):
-        self.app, self.request, self.answer, self.refuse = app, request, answer, refuse
+                 answer: Callable[[Json], Json] | None = None, refuse: Callable[[Json], str | None] | None = None,
+                 when: Callable[[Json], bool] | None = None):
+        self.app, self.request, self.answer, self.refuse, self.when = app, request, answer, refuse, when
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] != "POST" or not scope["path"].startswith("/v1/"):
@@ -27,8 +32,11 @@ class Rewrite:
             body = json.loads(raw)
         except ValueError:
             body = None
-        if isinstance(body, dict) and self.refuse is not None and self.refuse(body):
-            return await self._refuse(send)
+        if self.when is not None and not (isinstance(body, dict) and self.when(body)):
+            return await self.app(scope, _replay(raw, receive), send)
+        refused = self.refuse(body) if isinstance(body, dict) and self.refuse is not None else None
+        if refused is not None:
+            return await self._refuse(send, refused)
         if isinstance(body, dict) and self.request is not None:
             raw = json.dumps(self.request(body)).encode()
         start: dict = {}
@@ -82,9 +90,9 @@ class Rewrite:
         return "\n".join(out).encode()
 
     @staticmethod
-    async def _refuse(send):
-        body = json.dumps({"error": {"message": "logprobs and echo are not supported", "type": "invalid_request_error",
-                                     "param": "logprobs", "code": None}}).encode()
+    async def _refuse(send, field: str):
+        body = json.dumps({"error": {"message": f"{field} is not supported", "type": "invalid_request_error",
+                                     "param": field, "code": None}}).encode()
         await send({"type": "http.response.start", "status": 400,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
@@ -214,8 +222,11 @@ def _without(*names: str) -> Callable[[Json], Json]:
     return request
 
 
-def _asks_logprobs(body: Json) -> bool:
-    return body.get("logprobs") not in (None, False) or bool(body.get("echo"))
+def _logprobs_or_echo(body: Json) -> str | None:
+    """The field of the two a request asks for, logprobs first; None when neither."""
+    if body.get("logprobs") not in (None, False):
+        return "logprobs"
+    return "echo" if body.get("echo") else None
 
 
 def _rewrite(**how):
@@ -234,7 +245,7 @@ frequency_penalty_ignored = _rewrite(request=_without("frequency_penalty"))
 logit_bias_ignored = _rewrite(request=_without("logit_bias"))
 stop_token_ids_ignored = _rewrite(request=_without("stop_token_ids"))
 # A server that refuses logprobs and echo with a 400: those clauses are not supported, not failed.
-refuses_logprobs = _rewrite(refuse=_asks_logprobs)
+refuses_logprobs = _rewrite(refuse=_logprobs_or_echo)
 
 
 def n_prefills_each_choice(app, state):
@@ -261,7 +272,9 @@ OPENAI_FIELDS = {"/v1/completions": OPENAI_COMPLETION_FIELDS, "/v1/chat/completi
 
 class RefuseUnknownFields:
     """Answers 422 naming them to requests with fields outside OpenAI's API, as servers built on
-    a strict request model do (extensions such as ignore_eos and stop_token_ids included)."""
+    a strict request model do: extensions such as ignore_eos and stop_token_ids included, and
+    response_format on /v1/completions. The reference server refuses only what it does not
+    implement (400), and takes those."""
 
     def __init__(self, app):
         self.app = app

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from . import api_parts as a
 from . import engine_parts as e
 from . import http_parts as h
+from . import structured_parts as s
+from . import tool_parts as t
 
 CONTROL = "api/health/1"
 
@@ -293,6 +295,63 @@ MUTANTS += tuple(M(name, breaks, does, reason, {"middleware": part}, also=also, 
      "expected 'stop'", a.stop_token_ids_ignored, ()),
 ))
 
+# Structured outputs and unknown fields: rewrites around the app (and one ServerState).
+STRUCTURED = ("structured",)
+MUTANTS += (
+    M("response_format_dropped", "structured/json-schema/1",
+      "response_format is dropped from the request", "content is not JSON",
+      {"middleware": s.response_format_dropped},
+      also=("structured/json-schema/2", "structured/json-object/1", "structured/completions/1",
+            "structured/invalid/1"), scope=STRUCTURED, control="api/completions/1"),
+    # A stream with a schema it cannot serve is taken as text too.
+    M("stream_unconstrained", "structured/json-schema/2",
+      "streamed requests are not held to their response_format", "content is not JSON",
+      {"middleware": s.stream_unconstrained}, also=("structured/invalid/1",), scope=STRUCTURED,
+      control="api/completions/1"),
+    M("completion_format_dropped", "structured/completions/1",
+      "response_format is dropped from completions (chat keeps it)", "content is not JSON",
+      {"middleware": s.completion_format_dropped}, scope=STRUCTURED, control="api/completions/1"),
+    M("json_object_dropped", "structured/json-object/1",
+      "response_format json_object is dropped from the request", "content is not JSON",
+      {"middleware": s.json_object_dropped}, scope=STRUCTURED, control="api/completions/1"),
+    M("truncated_reported_stop", "structured/length/1",
+      "a constrained answer cut at max_tokens reports finish_reason stop", "is not a whole document",
+      {"middleware": s.truncated_reported_stop}, scope=STRUCTURED, control="api/completions/1"),
+    M("schema_error_500", "structured/invalid/1",
+      "a schema that cannot be compiled gets 500 instead of a 4xx", "answered 500, expected a 4xx",
+      {"state": s.SchemaError500}, scope=STRUCTURED),
+    M("unknown_fields_dropped", "api/fields/1",
+      "fields the server does not implement are dropped from the request instead of refused",
+      "answered 200, the field silently dropped",
+      {"middleware": s.unknown_fields_dropped}, scope=("api/fields",), control="api/completions/1"),
+)
+
+# Function tools: rewrites around the app, run on the tools clauses with a plain chat as control.
+TOOLS = ("tools",)
+MUTANTS += tuple(M(name, breaks, does, reason, {"middleware": part}, also=also, scope=TOOLS,
+                   control="api/chat/1") for name, breaks, does, reason, part, also in (
+    ("tool_arguments_as_object", "tools/required/1", "a call's function.arguments is sent as a JSON object",
+     "function.arguments is a dict, not a JSON string", t.tool_arguments_as_object, ("tools/named/1",)),
+    ("tool_calls_finish_stop", "tools/required/1", 'an answer of tool calls reports finish_reason "stop"',
+     "finish_reason is 'stop', expected 'tool_calls'", t.tool_calls_finish_stop,
+     ("tools/named/1", "tools/stream/1")),
+    ("named_choice_swapped", "tools/named/1", "a named tool_choice is served as the choice of another of the tools",
+     "but tool_choice named 'clock'", t.named_choice_swapped, ()),
+    ("stream_call_without_id", "tools/stream/1", "streamed tool_calls deltas carry no id",
+     "the first delta of call 0 has no id", t.stream_call_without_id, ()),
+    ("stream_pieces_without_index", "tools/stream/1", "streamed arguments pieces carry no index",
+     "a tool_calls delta entry has no index", t.stream_pieces_without_index, ()),
+    ("parallel_calls_ignored", "tools/parallel/1", "parallel_tool_calls false is ignored: the answer makes a second call",
+     "2 tool calls, expected one", t.parallel_calls_ignored, ()),
+    ("tool_messages_refused", "tools/result/1", "a conversation holding a tool message is refused with 400",
+     "answered 400", t.tool_messages_refused, ()),
+    ("unknown_tool_choice_dropped", "tools/invalid/1",
+     "a tool_choice naming a function not among the tools is dropped instead of refused",
+     "answered 200, expected a 4xx", t.unknown_tool_choice_dropped, ()),
+    ("auto_text_reported_tool_calls", "tools/auto/1", 'a text answer under tool_choice "auto" reports finish_reason '
+     '"tool_calls"', "but the message holds no tool_calls", t.auto_text_reported_tool_calls, ()),
+))
+
 # Not a defect of any clause: a variant that cannot start, for the test that shows such a
 # variant fails the proof instead of passing it.
 CRASH_AT_START = M("crash_at_start", "api/models/1", "the engine cannot be built", "expected 'list'",
@@ -303,22 +362,36 @@ CRASH_AT_START = M("crash_at_start", "api/models/1", "the engine cannot be built
 REFUSES_LOGPROBS = M("refuses_logprobs", "api/logprobs/1", "logprobs and echo are refused with 400", "-",
                      {"middleware": a.refuses_logprobs}, scope=SAMPLING, control="api/completions/1")
 
+# Not a defect either: a server without structured outputs that refuses response_format with a
+# 400 naming it, for the test that shows the structured clauses are then "not supported".
+REFUSES_RESPONSE_FORMAT = M("refuses_response_format", "structured/json-schema/1",
+                            "response_format is refused with 400 naming it", "-",
+                            {"middleware": s.refuses_response_format}, scope=(*STRUCTURED, "api/fields"),
+                            control="api/completions/1")
+
 # Not defects either: a server that refuses every field outside OpenAI's API with a 422 naming
-# it (extensions such as ignore_eos and stop_token_ids included), for the test that shows the
-# extension clauses are then "not supported" and no other clause depends on an extension; and
-# one with 200 rows and no plan on /health, for the test that shows its rows are measured.
+# it (extensions such as ignore_eos and stop_token_ids included, and response_format on
+# /v1/completions, which OpenAI's legacy endpoint lacks), as servers built on a strict request
+# model do, for the test that shows the clauses about an extension are then "not supported" and
+# no other clause depends on one; and one with 200 rows and no plan on /health, for the test
+# that shows its rows are measured.
 REFUSES_UNKNOWN_FIELDS = M("refuses_unknown_fields", "api/penalties/3",
                            "fields outside OpenAI's API are refused with 422 naming them", "-",
                            {"middleware": a.refuses_unknown_fields},
-                           scope=("api/penalties", "api/ignore-eos", "loop/commit/length", "loop/admission/1",
-                                  "drain/inflight"), control="api/completions/1")
+                           scope=("api/penalties", "api/ignore-eos", "api/fields", *STRUCTURED, "loop/commit/length",
+                                  "loop/admission/1", "drain/inflight"), control="api/completions/1")
 ROWS_200_UNPUBLISHED = M("rows_200_unpublished", "loop/admission/1",
                          "the plan fits 200 rows and /health publishes no plan", "-",
                          {"driver": e.TwoHundredRows, "middleware": h.NoPlanOnHealth},
                          scope=("loop/admission", "loop/preempt", "cancel/waiting", "compile/constant"))
 
-BY_NAME = {m.name: m for m in (*MUTANTS, CRASH_AT_START, REFUSES_LOGPROBS, REFUSES_UNKNOWN_FIELDS,
-                               ROWS_200_UNPUBLISHED)}
+# Not a defect either: a server without function tools that refuses them with a 400 naming the
+# field, for the test that shows the tools clauses are then "not supported".
+REFUSES_TOOLS = M("refuses_tools", "tools/required/1", "tools, tool_choice and parallel_tool_calls are refused with "
+                  "400 naming the field", "-", {"middleware": t.refuses_tools}, scope=TOOLS, control="api/chat/1")
+
+BY_NAME = {m.name: m for m in (*MUTANTS, CRASH_AT_START, REFUSES_LOGPROBS, REFUSES_RESPONSE_FORMAT,
+                               REFUSES_UNKNOWN_FIELDS, ROWS_200_UNPUBLISHED, REFUSES_TOOLS)}
 PARTS = ("engine", "scheduler", "prefix_cache", "stop_checker", "random_stream", "driver", "state", "middleware",
          "parser", "key_guard")
 
