@@ -27,6 +27,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_startup import cpu  # noqa: E402
+from poot.conformance import documents  # noqa: E402
 
 
 def schemas() -> list[tuple[str, dict]]:
@@ -47,7 +48,16 @@ def schemas() -> list[tuple[str, dict]]:
     for i in range(40):
         deep = {"type": "object", "properties": {f"level_{i}": deep, "note": {"type": "string"}},
                 "required": [f"level_{i}"]}
-    return [("pet", pet), ("person", person), ("300 fields", wide), ("40 levels", deep)]
+    any_of = {"anyOf": [{"type": "object", "properties": {f"k{i}_{j}": {"type": "integer"} for j in range(10)},
+                         "required": [f"k{i}_{j}" for j in range(10)]} for i in range(300)]}
+    return [*suite_schemas(), ("pet", pet), ("person", person), ("300 fields", wide), ("40 levels", deep),
+            ("anyOf of 300 objects", any_of)]
+
+
+def suite_schemas() -> list[tuple[str, dict]]:
+    """The schemas the structured-output and tools clauses send."""
+    return [("clause animal", documents.ANIMAL), ("clause weather", documents.WEATHER),
+            ("clause clock", documents.CLOCK)]
 
 
 def percentiles(seconds: list[float]) -> dict:
@@ -152,7 +162,8 @@ def grammar_clock():
 
 def held_while_compiling(grammars) -> dict:
     """The longest the main thread waited between two short spins while a worker thread
-    compiled the 300-field schema, against the same spins with nothing beside them."""
+    compiled the anyOf of 300 objects and started a matcher on it, against the same spins with
+    nothing beside them."""
 
     def spins(during) -> float:
         gaps, last = [], time.perf_counter()
@@ -166,8 +177,9 @@ def held_while_compiling(grammars) -> dict:
         worker.join()
         return max(gaps) * 1e3
 
-    wide = dict(schemas())["300 fields"]
-    compiling = [spins(lambda i=i: grammars.json_schema({**wide, "description": f"held {i}"})) for i in range(5)]
+    wide = dict(schemas())["anyOf of 300 objects"]
+    compiling = [spins(lambda i=i: grammars.json_schema({**wide, "description": f"held {i}"}).matcher())
+                 for i in range(5)]
     idle = [spins(lambda: time.sleep(0.05)) for _ in range(5)]
     return {"compiling_max_ms": max(compiling), "idle_max_ms": max(idle)}
 
@@ -186,6 +198,7 @@ def measure(model_spec: str | None, rows: int) -> dict:
             "vocab_size": model.tokenizer.vocab_size, "vocabulary_s": vocabulary,
             "compile": compile_times(grammars, repeats=20), "mask": mask_times(grammars),
             "steps": step_times(model, grammars, rows, sorted({0, 1, rows})), "rows": rows,
+            "lone_steps": step_times(model, grammars, 1, [0, 1]),
             "held": held_while_compiling(grammars)}
 
 
@@ -202,8 +215,13 @@ def render(r: dict) -> str:
               "|---|---|---|---|---|"]
     for k, s in sorted(r["steps"].items(), key=lambda kv: int(kv[0])):
         lines.append(f"| {k} | {s['p50']:.1f} ms | {s['p99']:.1f} ms | {s['p50'] / base:.2f}x | {s['grammar_ms']:.2f} ms |")
+    lone = r["lone_steps"]
+    lines += ["", "| one row alone | step p50 | p99 | grammar work per step |", "|---|---|---|---|"]
+    for k, s in sorted(lone.items(), key=lambda kv: int(kv[0])):
+        lines.append(f"| {'constrained' if int(k) else 'free'} | {s['p50']:.1f} ms | {s['p99']:.1f} ms | "
+                     f"{s['grammar_ms']:.2f} ms |")
     h = r["held"]
-    lines += ["", f"longest wait of another thread while a worker compiled the 300-field schema: "
+    lines += ["", f"longest wait of another thread while a worker compiled the anyOf of 300 objects and started a matcher: "
                   f"{h['compiling_max_ms']:.1f} ms (with nothing beside it: {h['idle_max_ms']:.1f} ms)"]
     return "\n".join(lines)
 

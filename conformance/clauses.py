@@ -15,7 +15,7 @@ SUITE_DIR = Path(__file__).parent / "suite"
 
 LEVELS = ("MUST", "SHOULD")
 PROFILES = ("core", "metrics", "faults", "startup", "prefix", "determinism", "speculative", "sampling", "extensions",
-            "structured", "tools")
+            "structured", "tools", "responses")
 # Where a clause's requirement comes from. A failure of a clause sourced from the reference
 # design may be another server's own choice rather than a bug; the report counts those apart
 # (a clause with a `design_choice` says what other servers do instead).

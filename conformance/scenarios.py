@@ -178,6 +178,15 @@ KNOWN_EOS: dict[str, tuple[str, dict, int]] = {
 BIASED_TOKEN = 65
 
 
+def error_param(text: str) -> Any:
+    """The error object's param in an answer's body, or None where there is none."""
+    try:
+        error = json.loads(text).get("error")
+    except (ValueError, AttributeError):
+        return None
+    return error.get("param") if isinstance(error, dict) else None
+
+
 def refusal_names(status: int | None, text: str, field_name: str) -> bool:
     """Whether an answer refuses a request field by name: a 4xx other than the ones about the
     key, the path or the rate (401, 403, 404, 429) whose body names the field."""

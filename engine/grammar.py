@@ -6,8 +6,9 @@ next and follows the tokens the row keeps.
 Three parts, so that nothing slow runs on the engine thread:
 - `Grammars` (one per served tokenizer): the vocabulary as llguidance sees it, built once,
   and the compiled grammars, kept by their source (a schema sent again is not compiled again);
-- `Grammar`: one compiled, checked grammar; `matcher()` makes a fresh matcher from it (the
-  server makes one per choice, off the engine thread, before it submits the request);
+- `Grammar`: one compiled, checked grammar; `matcher()` makes a fresh matcher from it, a copy
+  of one started at compile (the server makes one per choice, off the engine thread, before
+  it submits the request);
 - `Matcher`: one row's state. The picker masks the row's logits with `mask()` (every token
   the grammar does not allow next goes to -inf), and the loop feeds it each kept token
   (`consume`). Once the document is whole (nothing but end-of-sequence could follow),
@@ -25,7 +26,8 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -78,32 +80,35 @@ class Matcher:
 
 
 class Grammar:
-    """A compiled grammar, checked against the tokenizer; `matcher()` starts one choice on it."""
+    """A compiled, checked grammar; `matcher()` starts one choice on it.
 
-    __slots__ = ("source", "param", "_text", "_tokenizer")
+    Compiling keeps a started matcher that never moves: llguidance builds a grammar's parser
+    against the vocabulary when a matcher is made (half a second for a large schema), and a
+    copy of a started one costs microseconds, so each choice's matcher is a copy."""
 
-    def __init__(self, source: str, text: str, tokenizer, param: str = PARAM):
+    __slots__ = ("source", "param", "_started", "_vocab_size")
+
+    def __init__(self, source: str, started, vocab_size: int, param: str = PARAM):
         self.source = source  # what it was compiled from, for logs
         self.param = param  # the request field it was built from
-        self._text = text
-        self._tokenizer = tokenizer  # llguidance's
+        self._started = started  # llguidance's LLMatcher, never advanced
+        self._vocab_size = vocab_size
 
     def matcher(self) -> Matcher:
-        from llguidance import LLMatcher
-
-        made = LLMatcher(self._tokenizer, self._text, log_level=0)
-        if made.is_error():  # validated when compiled: only a resource limit gets here
-            raise InvalidRequest(f"{self.param}: the grammar could not be started: {made.get_error()}", self.param)
-        return Matcher(made, self._tokenizer.vocab_size)
+        return Matcher(self._started.deep_copy(), self._vocab_size)
 
 
 class Grammars:
     """The grammars of one tokenizer. Thread-safe: the server compiles on its worker threads."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, start: Callable[[Callable[[], Any]], Any] | None = None):
         """`tokenizer`: the model's (HFTokenizer, or any with eos_token_ids, bos_token_id and
-        either to_json() or token_bytes())."""
+        either to_json() or token_bytes()). `start(work)` runs the long part of a compile, the
+        grammar's parser built against the vocabulary (native code, the GIL released), and
+        returns its result: by default on the calling thread; the server runs it on a thread
+        below the engine's priority."""
         self._source_tokenizer = tokenizer
+        self._start = start or (lambda work: work())
         self._tokenizer = None
         self._unreadable: str | None = None  # why llguidance could not read the vocabulary
         self._kept: OrderedDict[str, Grammar] = OrderedDict()
@@ -166,13 +171,14 @@ class Grammars:
         return self._checked(source, text, param, "the grammar built from it")
 
     def _checked(self, source: str, text: str, param: str, what: str) -> Grammar:
+        """The grammar started against the vocabulary once, which checks it too."""
         from llguidance import LLMatcher
 
         tokenizer = self.tokenizer(param)
-        problem = LLMatcher.validate_grammar(text, tokenizer)
-        if problem:
-            raise InvalidRequest(f"{param}: {what} cannot be compiled: {_one_line(problem)}", param)
-        return Grammar(source, text, tokenizer, param)
+        started = self._start(lambda: LLMatcher(tokenizer, text, log_level=0))
+        if started.is_error():
+            raise InvalidRequest(f"{param}: {what} cannot be compiled: {_one_line(started.get_error())}", param)
+        return Grammar(source, started, tokenizer.vocab_size, param)
 
     def tokenizer(self, param: str = PARAM):
         """llguidance's view of the vocabulary, built at first use (about 0.36 s for SmolLM2's,

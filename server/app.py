@@ -19,7 +19,7 @@ from starlette.routing import Route
 
 from poot import __version__
 
-from . import openai
+from . import openai, responses
 from .draining import CountActive, drain_watch
 from .generation import generate, read_body
 from .metrics import make_registry
@@ -73,10 +73,22 @@ def build_app(state: ServerState):
         return JSONResponse({"injected": kind})
 
     async def completions(request: Request) -> Response:
+        state.requests["/v1/completions"] += 1
         return await generate(state, request, chat=False)
 
     async def chat_completions(request: Request) -> Response:
+        state.requests["/v1/chat/completions"] += 1
         return await generate(state, request, chat=True)
+
+    async def create_response(request: Request) -> Response:
+        state.requests[responses.ENDPOINT] += 1
+        return await responses.create(state, request)
+
+    async def retrieve_response(request: Request) -> Response:
+        return responses.retrieve(state, request.path_params["rid"])
+
+    async def delete_response(request: Request) -> Response:
+        return responses.delete(state, request.path_params["rid"])
 
     routes = [
         Route("/health", health, methods=["GET"]),
@@ -84,6 +96,9 @@ def build_app(state: ServerState):
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route(responses.ENDPOINT, create_response, methods=["POST"]),
+        Route(responses.ENDPOINT + "/{rid}", retrieve_response, methods=["GET"]),
+        Route(responses.ENDPOINT + "/{rid}", delete_response, methods=["DELETE"]),
     ]
     if state.fault_injection:
         routes.append(Route("/debug/fault", debug_fault, methods=["POST"]))

@@ -48,6 +48,11 @@ def build_parser(cls: type[argparse.ArgumentParser] = argparse.ArgumentParser) -
                    help="measure this machine afresh (the CPU driver's product choices) instead of reading what an "
                         "earlier start measured, and keep the new measurement: after a change of load, BIOS or "
                         "hardware that the cache cannot see")
+    p.add_argument("--responses-max-count", type=int, default=1000, metavar="N",
+                   help="stored /v1/responses kept in memory at most, the oldest out first (default: 1000)")
+    p.add_argument("--responses-max-bytes", type=int, default=64 << 20, metavar="BYTES",
+                   help="bytes of stored /v1/responses kept in memory at most, the oldest out first "
+                        "(default: 67108864, 64 MiB)")
     # Test-only, hidden: sleep this many seconds before each driver step, so that steps of the
     # tiny synthetic model last long enough to be watched (cancellation, draining, faults). It
     # wraps the driver's step and nothing else: rows, positions and blocks are still fitted by
@@ -74,6 +79,8 @@ def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None =
     from . import loading
     if not 0 <= args.step_delay <= MAX_STEP_DELAY_S:  # also refuses nan
         return fail(f"--step-delay must be between 0 and {MAX_STEP_DELAY_S} seconds")
+    if args.responses_max_count < 0 or args.responses_max_bytes < 0:
+        return fail("--responses-max-count and --responses-max-bytes must not be negative")
     from .auth import ApiKeyError, RequireKey, read_key
     from .start_line import StartLine, is_terminal
 
@@ -101,7 +108,8 @@ def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None =
     state = (state_class or ServerState)(model_spec=args.model, backend=args.backend,
                                          draft=None if args.draft == "none" else args.draft,
                                          fault_injection=args.fault_injection, step_delay=args.step_delay,
-                                         retune=args.retune)
+                                         retune=args.retune, responses_max_count=args.responses_max_count,
+                                         responses_max_bytes=args.responses_max_bytes)
     line.follow(state.progress)
     app = (app_factory or build_app)(state)
     if api_key:

@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import dataclasses
 
-from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -46,16 +45,44 @@ async def generate(state: ServerState, request: Request, chat: bool) -> Response
     """One path for every generation request: a plain one is a request of one choice."""
     engine = state.serving_engine()
     parsed = parse(state, engine, openai.parse_body(await read_body(request)), chat)
+    run = await start(state, engine, parsed)
+    try:
+        answer = Answer(parsed, state.model, openai.new_id(parsed.chat), state.model.name)
+        if parsed.stream:
+            return EventStream(stream(answer, run.queues, engine), run.cancel_all)
+        return await collect(request, answer, run.queues, engine, run.cancel_all)
+    except BaseException:
+        run.cancel_all()
+        raise
+
+
+@dataclasses.dataclass(slots=True)
+class Run:
+    """A submitted request: its choices' handles, and the queues their events arrive on."""
+
+    handles: list
+    queues: list[asyncio.Queue]
+
+    def cancel_all(self) -> None:  # a client that hangs up cancels every choice
+        for h in self.handles:
+            h.cancel()
+
+
+async def start(state: ServerState, engine, parsed: openai.Parsed) -> Run:
+    """Submits a parsed request (its grammars compiled first) and waits for the engine's
+    verdict on it, so that a rejection is a 400 even for a stream: the one way into the
+    engine for every endpoint."""
     params = parsed.params
     if parsed.choices.best_of > parsed.choices.n and params.logprobs is None:
         params = dataclasses.replace(params, logprobs=0)  # best_of ranks by summed logprob
     grammars = None
     constraint = parsed.response_format or parsed.tools
     if constraint is not None:
-        # Compiled (or found compiled) off the event loop and off the engine thread: a large
-        # schema takes a while, and no stream already running waits for it.
+        # Compiled (or found compiled) off the event loop and off the engine thread, below the
+        # engine's priority: a large schema takes a while, and no stream already running waits for it.
         try:
-            grammars = await run_in_threadpool(state.matchers, constraint, parsed.choices.count)
+            grammars = await asyncio.wrap_future(state.compiling.submit(state.matchers, constraint,
+                                                                        parsed.choices.count))
         except InvalidRequest as e:
             raise openai.bad(str(e), e.param) from None
     loop = asyncio.get_running_loop()
@@ -63,30 +90,22 @@ async def generate(state: ServerState, request: Request, chat: bool) -> Response
     # The engine calls the sinks on its own thread; each hands its event to the event loop.
     sinks = [lambda ev, q=q: loop.call_soon_threadsafe(q.put_nowait, ev) for q in queues]
     try:
-        handles = engine.submit_choices(parsed.prompt, params, sinks, grammars)
+        run = Run(engine.submit_choices(parsed.prompt, params, sinks, grammars), queues)
     except InvalidRequest as e:
         raise openai.bad(str(e), e.param) from None
     except EngineDead as e:
         raise ApiError(503, f"the engine is not serving: {e}", code="engine_dead") from None
-
-    def cancel_all() -> None:  # a client that hangs up cancels every choice
-        for h in handles:
-            h.cancel()
-
     try:
-        for q in queues:  # headers wait for the engine's verdict, so a rejection is a 400 even when streaming
+        for q in queues:  # headers wait for the engine's verdict
             first = await next_event(q, engine)
             if isinstance(first, Rejected):
                 raise openai.bad(first.message, first.param)
             if isinstance(first, Finished):
                 raise failure(engine, first)
-        answer = Answer(parsed, state.model, openai.new_id(parsed.chat), state.model.name)
-        if parsed.stream:
-            return EventStream(stream(answer, queues, engine), cancel_all)
-        return await collect(request, answer, queues, engine, cancel_all)
     except BaseException:
-        cancel_all()
+        run.cancel_all()
         raise
+    return run
 
 
 def parse(state: ServerState, engine, body: dict, chat: bool) -> openai.Parsed:

@@ -46,12 +46,20 @@ HOST_SECONDS = ("engine_step_host_seconds", "Seconds of those iterations spent o
 MAX_SECONDS = ("engine_step_duration_max_seconds", "The longest iteration so far, by kind.")
 
 
+HTTP_REQUESTS = ("http_requests", "Generation requests received, by endpoint (/v1/completions, "
+                 "/v1/chat/completions, /v1/responses), whatever their answer.")
+
+
 class EngineCollector(Collector):
     def __init__(self, state):
         self.state = state
 
     def collect(self):
         yield loop_lag_family(self.state.loop_lag)
+        requests = CounterMetricFamily(HTTP_REQUESTS[0], HTTP_REQUESTS[1], labels=["endpoint"])
+        for endpoint, count in sorted(self.state.requests.items()):
+            requests.add_metric([endpoint], count)
+        yield requests
         engine = self.state.engine
         if engine is None:  # still loading: nothing to report yet
             return

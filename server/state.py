@@ -5,14 +5,18 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 from poot.engine.progress import Progress
 
 from . import loading
+from .background import yielding_pool
 from .loop_lag import LoopLag
 from .openai import ApiError
+from .response_store import ResponseStore
 
+COMPILE_THREADS = 2  # grammars compiled at once
 log = logging.getLogger("poot.server")
 
 
@@ -20,7 +24,8 @@ class ServerState:
     """Everything the routes share. `engine` is None until the model has loaded."""
 
     def __init__(self, model_spec: str | None = None, backend: str = "auto", draft: str | None = None,
-                 fault_injection: bool = False, step_delay: float = 0.0, retune: bool = False):
+                 fault_injection: bool = False, step_delay: float = 0.0, retune: bool = False,
+                 responses_max_count: int = 1000, responses_max_bytes: int = 64 << 20):
         self.model_spec = model_spec
         self.retune = retune  # the driver measures the machine afresh (--retune)
         self.backend = backend
@@ -38,6 +43,12 @@ class ServerState:
         self.loop_lag = LoopLag()  # how late the event loop wakes (server/loop_lag.py)
         self.progress = Progress()  # what the start is doing, until the engine is ready
         self.grammars = None  # engine.grammar.Grammars of the served tokenizer, once the model is loaded
+        self.responses = ResponseStore(responses_max_count, responses_max_bytes)  # stored /v1/responses
+        self.requests = Counter()  # generation requests by endpoint, for /metrics
+        # Grammars are compiled off the event loop and off the engine thread; the long native
+        # part of each runs below the engine's priority (server/background.py).
+        self.compiling = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="poot-grammar")
+        self.yielding = yielding_pool(COMPILE_THREADS, "poot-grammar-start")
 
     # ---- loading (runs on its own thread while the server already answers /health) ----
 
@@ -54,7 +65,7 @@ class ServerState:
                 # Constrained decoding's view of the vocabulary is built while the engine
                 # prepares: building it holds the GIL for a few hundred milliseconds, which
                 # would stall every stream if the first response_format request did it.
-                grammars = pool.submit(self.grammars_for, model)
+                grammars = pool.submit(self.grammars_for, model, self.yielding)
                 engine = self.make_engine(model, driver)
                 grammars = grammars.result()
             engine.start()
@@ -88,12 +99,14 @@ class ServerState:
         return driver
 
     @staticmethod
-    def grammars_for(model):
-        """The model's constrained-decoding grammars (engine/grammar.py), vocabulary built."""
+    def grammars_for(model, yielding=None):
+        """The model's constrained-decoding grammars (engine/grammar.py), vocabulary built;
+        the long part of each compile run on `yielding` (an executor), where given."""
         from poot.engine.grammar import Grammars
         from poot.engine.params import InvalidRequest
 
-        grammars = Grammars(model.tokenizer)
+        start = None if yielding is None else (lambda work: yielding.submit(work).result())
+        grammars = Grammars(model.tokenizer, start)
         try:
             grammars.tokenizer()
         except InvalidRequest as e:  # a model file's vocabulary is untrusted input

@@ -38,10 +38,11 @@ CALL_CLOSE = "\n</tool_call>"
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
 TOOL_CHOICES = ("none", "auto", "required")
 
+# Short: a small model's context is short too.
 FALLBACK_PROMPT = (
-    "You can call functions. To call one, answer with a block like this and nothing else:\n"
-    "<tool_call>\n{{\"name\": \"<function name>\", \"arguments\": <the arguments as a JSON object>}}\n</tool_call>\n"
-    "{many}The functions, as JSON schemas of their arguments:\n{functions}"
+    "To call a function, answer only with:\n"
+    "<tool_call>\n{{\"name\": NAME, \"arguments\": ARGUMENTS}}\n</tool_call>\n"
+    "{many}Functions:\n{functions}"
 )
 
 
@@ -85,9 +86,9 @@ class ToolUse:
         return "\n".join(rules)
 
     def system_prompt(self) -> str:
-        functions = "\n".join(json.dumps({"name": t.name, "description": t.description, "parameters": t.parameters},
-                                         ensure_ascii=False) for t in self.offered)
-        many = "Several blocks, one per line, make several calls.\n" if self.parallel else ""
+        functions = "\n".join(json.dumps({"name": t.name, **({"description": t.description} if t.description else {}),
+                                          "parameters": t.parameters}, ensure_ascii=False) for t in self.offered)
+        many = "One block per call.\n" if self.parallel else ""
         return FALLBACK_PROMPT.format(many=many, functions=functions)
 
     def as_template_tools(self) -> list[dict]:

@@ -14,6 +14,7 @@ import jsonschema
 import pytest
 
 from poot.conformance.client import Client, Stream
+from poot.conformance.documents import ANIMAL, ANIMAL_ASK
 from poot.conformance.outcomes import NotSupported
 from poot.conformance.scenarios import refusal_names, refusal_of, refused_with_error
 
@@ -21,25 +22,10 @@ clause = pytest.mark.clause
 
 FIELD = "response_format"
 
-# Every document is short whatever the model picks: an enum, bounded integers, a boolean, a
-# string of at most 6 characters. Its longest compact form, escapes and all, is about 130 bytes, so
-# MAX_TOKENS holds it even at one byte a token, and a model that ends "length" here was not held
-# to the schema. Strict, as OpenAI's strict mode wants: every property required, no others.
-ANIMAL = {
-    "type": "object",
-    "properties": {
-        "animal": {"type": "string", "enum": ["cat", "dog", "owl"]},
-        "legs": {"type": "integer", "minimum": 0, "maximum": 8},
-        "wild": {"type": "boolean"},
-        "name": {"type": "string", "maxLength": 6},
-    },
-    "required": ["animal", "legs", "wild", "name"],
-    "additionalProperties": False,
-}
 MAX_TOKENS = 256
 # Far below the shortest document ({"animal": "cat", "legs": 0, "wild": true, "name": ""}).
 TOO_FEW_TOKENS = 4
-ASK = "Describe an animal as JSON: its kind, its number of legs, whether it is wild, and a short name."
+ASK = ANIMAL_ASK
 SMALL_OBJECT_ASK = 'Reply with the JSON object {"ok": true} and nothing else.'
 # What cannot be served: a schema that is not an object, and a type JSON Schema does not have.
 UNSERVABLE = {"schema 5": 5, 'schema {"type": "no-such-type"}': {"type": "no-such-type"}}

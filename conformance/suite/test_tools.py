@@ -15,8 +15,9 @@ import jsonschema
 import pytest
 
 from poot.conformance.client import Client, Stream
+from poot.conformance.documents import CLOCK, WEATHER, WEATHER_ASK
 from poot.conformance.outcomes import NotSupported
-from poot.conformance.scenarios import refusal_names, refusal_of, refused_with_error
+from poot.conformance.scenarios import error_param, refusal_names, refusal_of, refused_with_error
 
 clause = pytest.mark.clause
 
@@ -28,11 +29,9 @@ PATH = "/v1/chat/completions"
 # tokenizer and 512 positions must still fit the prompt and MAX_TOKENS. The longest call,
 # written out as a block of text, is under 80 bytes, so MAX_TOKENS holds it even at one byte a
 # token, and a server that ends "length" here did not end its call.
-WEATHER = {"type": "object", "properties": {"city": {"enum": ["Oslo", "Lima"]}}}
-CLOCK = {"type": "object", "properties": {"utc": {"type": "boolean"}}}
 PARAMETERS = {"weather": WEATHER, "clock": CLOCK}
 MAX_TOKENS = 90
-ASK = "Weather in Oslo?"
+ASK = WEATHER_ASK
 ONE_CALL = {"parallel_tool_calls": False}  # a small model may otherwise call on until max_tokens
 UNKNOWN = "no_such_function"
 
@@ -52,14 +51,6 @@ def chat_body(client: Client, **params: Any) -> dict:
 
 def tool_body(client: Client, names: tuple[str, ...] = ("weather",), **params: Any) -> dict:
     return chat_body(client, tools=[tool(n) for n in names], **params)
-
-
-def error_param(text: str) -> Any:
-    try:
-        error = json.loads(text).get("error")
-    except (ValueError, AttributeError):
-        return None
-    return error.get("param") if isinstance(error, dict) else None
 
 
 def refused(status: int, text: str, what: str) -> None:

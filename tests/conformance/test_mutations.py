@@ -21,6 +21,7 @@ import pytest
 from poot_mutants.registry import (
     CRASH_AT_START,
     MUTANTS,
+    NO_RESPONSES_ENDPOINT,
     REFUSES_LOGPROBS,
     REFUSES_RESPONSE_FORMAT,
     REFUSES_TOOLS,
@@ -136,6 +137,19 @@ def test_a_server_that_refuses_tools_is_not_supported_for_them(tmp_path):
         {cid: f"{clauses[cid]['outcome']}: {clauses[cid]['why'][:200]}" for cid in tools}
     others = {cid: f"{c['outcome']}: {c['why'][:200]}" for cid, c in clauses.items() if cid not in tools}
     assert all(v.startswith("passed") for v in others.values()) and REFUSES_TOOLS.control in others, others
+    assert code == 0, tail
+
+
+def test_a_server_without_the_responses_api_is_not_supported_for_it(tmp_path):
+    """A server whose POST /v1/responses answers 404 has no Responses API: every responses
+    clause is not supported, never failed, and the plain chat beside them still passes."""
+    clauses, code, tail = run_suite(NO_RESPONSES_ENDPOINT, tmp_path)
+    responses = {cid for cid in clauses if cid.startswith("responses/")}
+    assert len(responses) >= 12 and all(clauses[cid]["outcome"] == "not_supported" and
+                                        "/v1/responses answered 404" in clauses[cid]["why"] for cid in responses), \
+        {cid: f"{clauses[cid]['outcome']}: {clauses[cid]['why'][:200]}" for cid in responses}
+    others = {cid: f"{c['outcome']}: {c['why'][:200]}" for cid, c in clauses.items() if cid not in responses}
+    assert all(v.startswith("passed") for v in others.values()) and NO_RESPONSES_ENDPOINT.control in others, others
     assert code == 0, tail
 
 

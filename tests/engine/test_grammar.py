@@ -230,3 +230,18 @@ def test_properties_are_written_in_the_order_the_schema_names_them():
     [rec] = submit_with(engine, "x", greedy(MAX_TOKENS), schema)
     run_until_idle(engine)
     assert rec.text == '{"zebra": 1, "apple": 2}'
+
+
+def test_a_grammar_is_started_once_by_the_given_runner_and_its_matchers_are_copies():
+    """The long part of a compile runs where the server says (its lower-priority thread);
+    a schema found compiled starts nothing; each matcher moves on its own."""
+    ran = []
+    g = Grammars(ByteTokenizer(), start=lambda work: ran.append(1) or work())
+    grammar = g.json_schema(SMALL)
+    g.json_schema(SMALL)
+    assert ran == [1]
+    one, two = grammar.matcher(), grammar.matcher()
+    for byte in b'{"kind": "cat"':
+        one.consume(byte)
+    assert one.allowed()[ord(",")] and not one.allowed()[ord("{")]
+    assert two.allowed()[ord("{")] and not two.allowed()[ord(",")]

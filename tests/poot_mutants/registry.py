@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from . import api_parts as a
 from . import engine_parts as e
 from . import http_parts as h
+from . import responses_parts as r
 from . import structured_parts as s
 from . import tool_parts as t
 
@@ -295,7 +296,8 @@ MUTANTS += tuple(M(name, breaks, does, reason, {"middleware": part}, also=also, 
      "expected 'stop'", a.stop_token_ids_ignored, ()),
 ))
 
-# Structured outputs and unknown fields: rewrites around the app (and one ServerState).
+# Structured outputs and unknown fields: rewrites around the app (and one ServerState), and the
+# engine's parts that schedule constrained decoding.
 STRUCTURED = ("structured",)
 MUTANTS += (
     M("response_format_dropped", "structured/json-schema/1",
@@ -320,6 +322,19 @@ MUTANTS += (
     M("schema_error_500", "structured/invalid/1",
       "a schema that cannot be compiled gets 500 instead of a 4xx", "answered 500, expected a 4xx",
       {"state": s.SchemaError500}, scope=STRUCTURED),
+    # Constrained decoding scheduled badly: each seen by timing alone, or on the compile count.
+    M("compile_on_engine_thread", "structured/gap/1",
+      "a request's grammar is compiled, and its matchers started, on the engine thread as the loop takes it",
+      "a running stream waited", {"state": s.CompiledByTheEngine, "engine": s.CompileOnEngineThread},
+      scope=STRUCTURED, control="api/completions/1"),
+    M("recompile_on_pick_change", "structured/compile/1",
+      "the driver builds a new entry whenever a step's rows change between all picked on the device and some "
+      "masked on the host", "as constrained rows joined and left", {"driver": s.RecompileOnPickChange},
+      scope=STRUCTURED, control="api/completions/1"),
+    M("one_constrained_at_a_time", "structured/batch/1",
+      "a request with a grammar is opened only while no other one runs: the others wait in the queue",
+      "had not been sent a token yet", {"scheduler": s.OneConstrainedAtATime}, scope=STRUCTURED,
+      control="api/completions/1"),
     M("unknown_fields_dropped", "api/fields/1",
       "fields the server does not implement are dropped from the request instead of refused",
       "answered 200, the field silently dropped",
@@ -416,4 +431,50 @@ def check_overrides() -> None:
         raise ImportError(f"variants override what the reference server no longer has: {', '.join(missing)}")
 
 
+check_overrides()
+
+
+# OpenAI's Responses API: edits of /v1/responses around the app (and the stream of
+# cancel/stream/1's defect), run on the responses clauses with a plain chat as control.
+RESPONSES = ("responses",)
+RESPONSES_MUTANTS = tuple(M(name, breaks, does, reason, {"middleware": part}, also=also, scope=RESPONSES,
+                            control="api/chat/1") for name, breaks, does, reason, part, also in (
+    ("response_total_without_input", "responses/object/1", "a response's usage.total_tokens leaves out the input "
+     "tokens", "!= input_tokens", r.TotalWithoutInput, ()),
+    ("response_sequence_doubled", "responses/stream/1", "each streamed event's sequence_number is twice its place, "
+     "skipping every other number", "has sequence_number 2, expected 1", r.SequenceNumbersDoubled, ()),
+    ("response_stream_drops_a_delta", "responses/stream/1", "a streamed response leaves out its first output_text "
+     "delta", "!= output_text.done's text", r.StreamDropsADelta, ()),
+    ("response_stream_item_id_changes", "responses/stream/1", "output_text deltas after the first carry an item_id "
+     "of their own", "but the message opened as", r.StreamItemIdChanges, ()),
+    ("incomplete_reported_completed", "responses/incomplete/1", 'a response cut by max_output_tokens says status '
+     '"completed"', "status 'completed', expected 'incomplete'", r.IncompleteReportedCompleted, ()),
+    ("output_tokens_off_by_one", "responses/usage/1", "usage.output_tokens counts one token more than were written",
+     "usage.output_tokens is 17, expected 16", r.OutputTokensOffByOne, ()),
+    ("instructions_dropped", "responses/instructions/1", "instructions are dropped from the request",
+     "the instructions were not put before the input", r.InstructionsDropped, ()),
+    ("previous_response_ignored", "responses/previous/1", "the previous_response_id of a stored response is "
+     "dropped: the conversation starts anew", "no more than the new input alone", r.PreviousResponseIgnored,
+     ("responses/tools/2",)),
+    ("unknown_previous_answered", "responses/previous/2", "an unknown previous_response_id is dropped instead of "
+     "refused", "answered 200, expected a 4xx", r.UnknownPreviousAnswered, ()),
+    ("call_arguments_as_object", "responses/tools/1", "a function_call item's arguments are sent as a JSON object",
+     "arguments is a dict, not a JSON string", r.CallArgumentsAsObject,
+     ("responses/tools/2",)),
+    ("call_output_refused", "responses/tools/2", "an input holding a function_call_output item is refused with 400",
+     "answered 400", r.CallOutputRefused, ()),
+    ("text_format_dropped", "responses/json-schema/1", "text.format is dropped from the request", "is not JSON",
+     r.TextFormatDropped, ()),
+    ("response_stream_ignores_disconnect", "responses/cancel/1", "a streamed response whose client hung up runs to "
+     "its end", "engine steps passed between the hang-up", h.IgnoreDisconnectStream, ()),
+    ("responses_bad_input_500", "responses/invalid/1", "a response request refused for its input or "
+     "max_output_tokens gets 500 instead of 400", "answered 500, expected a 4xx", r.BadInput500, ()),
+))
+MUTANTS += RESPONSES_MUTANTS
+
+# Not a defect: a server without the Responses API, whose /v1/responses answers 404, for the
+# test that shows every responses clause is then "not supported".
+NO_RESPONSES_ENDPOINT = M("no_responses_endpoint", "responses/object/1", "/v1/responses answers 404", "-",
+                          {"middleware": r.NoResponsesEndpoint}, scope=RESPONSES, control="api/chat/1")
+BY_NAME.update({m.name: m for m in (*RESPONSES_MUTANTS, NO_RESPONSES_ENDPOINT)})
 check_overrides()
