@@ -12,6 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import jsonschema
+
 from .client import Client, RawRequest, ServerError
 from .outcomes import NotSupported
 
@@ -176,6 +178,21 @@ KNOWN_EOS: dict[str, tuple[str, dict, int]] = {
 # +100 on it makes a greedy request repeat it: no end-of-sequence can win against it, so with
 # OpenAI's own logit_bias a request runs to its max_tokens where the server takes no ignore_eos.
 BIASED_TOKEN = 65
+
+
+def arguments_accepted(arguments: Any, parameters: dict, name: str, where: str, label: str = "arguments") -> None:
+    """A tool call's `arguments` (named `label` in the verdict) is a JSON string that the
+    parameters schema of function `name` accepts."""
+    assert isinstance(arguments, str), f"{where}: {label} is a {type(arguments).__name__}, not a JSON string"
+    try:
+        document = json.loads(arguments)
+    except ValueError as e:
+        raise AssertionError(f"{where}: {label} is not JSON ({e}): {arguments[:300]!r}") from None
+    try:
+        jsonschema.validate(document, parameters)
+    except jsonschema.ValidationError as e:
+        raise AssertionError(f"{where}: {label} is not accepted by {name}'s parameters ({e.message}): "
+                             f"{arguments[:300]!r}") from None
 
 
 def error_param(text: str) -> Any:

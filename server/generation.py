@@ -145,13 +145,24 @@ def failure(engine, ev: Finished) -> ApiError:
     return ApiError(500, f"the request failed: {ev.error}", code="step_failed")
 
 
-async def collect(request, answer: Answer, queues, engine, cancel_all) -> Response:
-    """A whole answer: every choice's events until its Finished, while watching for a hang-up."""
-    async def hang_up() -> None:
+@contextlib.asynccontextmanager
+async def hang_up_cancels(request: Request, cancel_all):
+    """While the block runs, a client that hangs up before its whole answer cancels the
+    request's choices at once (their rows are freed within a step)."""
+    async def watch() -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass
         cancel_all()
 
+    watcher = asyncio.create_task(watch())
+    try:
+        yield
+    finally:
+        watcher.cancel()
+
+
+async def collect(request, answer: Answer, queues, engine, cancel_all) -> Response:
+    """A whole answer: every choice's events until its Finished, while watching for a hang-up."""
     async def drain(out: ChoiceOutput, q: asyncio.Queue) -> None:
         if answer.echo_first(out):
             out.text.append(answer.prompt_text)
@@ -165,11 +176,8 @@ async def collect(request, answer: Answer, queues, engine, cancel_all) -> Respon
                 out.end = ev
                 return
 
-    watcher = asyncio.create_task(hang_up())
-    try:
+    async with hang_up_cancels(request, cancel_all):
         await asyncio.gather(*(drain(o, q) for o, q in zip(answer.outputs, queues, strict=True)))
-    finally:
-        watcher.cancel()
     for o in answer.outputs:
         if o.end.reason not in ("stop", "length"):
             raise failure(engine, o.end)

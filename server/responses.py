@@ -22,7 +22,6 @@ instructions do not, as in OpenAI's API).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
@@ -35,7 +34,7 @@ from poot.engine.events import Finished, Tokens
 
 from . import openai
 from .event_stream import EventStream
-from .generation import failure, next_event, parse, read_body, start
+from .generation import failure, hang_up_cancels, next_event, parse, read_body, start
 from .openai import ApiError, bad
 from .response_store import ResponseStore
 from .tools import CallReader
@@ -425,24 +424,17 @@ async def create(state, request: Request) -> Response:
                     return
 
         return EventStream(events(), run.cancel_all)
-    async def hang_up() -> None:  # a client gone before the answer frees its row at once
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-        run.cancel_all()
-
-    watcher = asyncio.create_task(hang_up())
-    try:
-        while True:
-            ev = await next_event(queue, engine)
-            if isinstance(ev, Tokens):
-                shape.text.append(ev.text)
-            elif isinstance(ev, Finished):
-                break
-    except BaseException:
-        run.cancel_all()
-        raise
-    finally:
-        watcher.cancel()
+    async with hang_up_cancels(request, run.cancel_all):
+        try:
+            while True:
+                ev = await next_event(queue, engine)
+                if isinstance(ev, Tokens):
+                    shape.text.append(ev.text)
+                elif isinstance(ev, Finished):
+                    break
+        except BaseException:
+            run.cancel_all()
+            raise
     if ev.reason not in ("stop", "length"):
         raise failure(engine, ev)
     response = shape.finished(ev)

@@ -20,7 +20,13 @@ import pytest
 from poot.conformance.client import Client, RawRequest, ServerError, Stream
 from poot.conformance.documents import ANIMAL, ANIMAL_ASK, WEATHER, WEATHER_ASK
 from poot.conformance.outcomes import NotSupported
-from poot.conformance.scenarios import error_param, refusal_names, refusal_of, refused_with_error
+from poot.conformance.scenarios import (
+    arguments_accepted,
+    error_param,
+    refusal_names,
+    refusal_of,
+    refused_with_error,
+)
 
 clause = pytest.mark.clause
 
@@ -361,19 +367,6 @@ def call_request(client: Client) -> dict:
                    max_output_tokens=CALL_TOKENS)
 
 
-def valid_arguments(arguments: Any, where: str) -> None:
-    assert isinstance(arguments, str), f"{where}: arguments is a {type(arguments).__name__}, not a JSON string"
-    try:
-        document = json.loads(arguments)
-    except ValueError as e:
-        raise AssertionError(f"{where}: arguments is not JSON ({e}): {arguments[:300]!r}") from None
-    try:
-        jsonschema.validate(document, WEATHER)
-    except jsonschema.ValidationError as e:
-        raise AssertionError(f"{where}: arguments do not validate against weather's parameters ({e.message}): "
-                             f"{arguments[:300]!r}") from None
-
-
 def function_calls(response: dict, what: str) -> list[dict]:
     calls = items_of(response, "function_call")
     assert calls, (f"{what}: the output holds no function_call item (output types {output_types(response)}, "
@@ -382,7 +375,7 @@ def function_calls(response: dict, what: str) -> list[dict]:
         where = f"{what}: function_call {i}"
         assert isinstance(call.get("call_id"), str) and call["call_id"], f"{where} has no call_id: {call!r}"
         assert call.get("name") == "weather", f"{where} calls {call.get('name')!r}, not among the tools ['weather']"
-        valid_arguments(call.get("arguments"), where)
+        arguments_accepted(call.get("arguments"), WEATHER, "weather", where)
     return calls
 
 

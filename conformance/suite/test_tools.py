@@ -11,13 +11,18 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import jsonschema
 import pytest
 
 from poot.conformance.client import Client, Stream
 from poot.conformance.documents import CLOCK, WEATHER, WEATHER_ASK
 from poot.conformance.outcomes import NotSupported
-from poot.conformance.scenarios import error_param, refusal_names, refusal_of, refused_with_error
+from poot.conformance.scenarios import (
+    arguments_accepted,
+    error_param,
+    refusal_names,
+    refusal_of,
+    refused_with_error,
+)
 
 clause = pytest.mark.clause
 
@@ -91,20 +96,6 @@ def whole_calls(body: dict, what: str) -> list:
     return calls
 
 
-def valid_arguments(arguments: Any, name: str, where: str) -> None:
-    """`arguments` is a JSON string that `name`'s parameters accept."""
-    assert isinstance(arguments, str), f"{where}: function.arguments is a {type(arguments).__name__}, not a JSON string"
-    try:
-        document = json.loads(arguments)
-    except ValueError as e:
-        raise AssertionError(f"{where}: function.arguments is not JSON ({e}): {arguments[:300]!r}") from None
-    try:
-        jsonschema.validate(document, PARAMETERS[name])
-    except jsonschema.ValidationError as e:
-        raise AssertionError(f"{where}: function.arguments does not validate against {name}'s parameters "
-                             f"({e.message}): {arguments[:300]!r}") from None
-
-
 def offered_name(name: Any, offered: tuple[str, ...], where: str) -> None:
     assert isinstance(name, str) and name in offered, \
         f"{where}: function.name is {name!r}, which is not among the tools offered {list(offered)}"
@@ -121,7 +112,8 @@ def well_formed(calls: list, offered: tuple[str, ...], what: str) -> None:
         function = call.get("function")
         assert isinstance(function, dict), f"{where} has no function object: {call!r}"
         offered_name(function.get("name"), offered, where)
-        valid_arguments(function.get("arguments"), function["name"], where)
+        arguments_accepted(function.get("arguments"), PARAMETERS[function["name"]], function["name"], where,
+                           "function.arguments")
         ids.append(call["id"])
     assert len(set(ids)) == len(ids), f"{what}: calls share ids: {ids}"
 
@@ -199,7 +191,7 @@ def test_streamed_calls_are_indexed_deltas(client: Client):
     for index, call in sorted(calls.items()):
         where = f"{what}: call {index} (its pieces joined)"
         offered_name(call["name"], ("weather",), where)
-        valid_arguments(call["arguments"], call["name"], where)
+        arguments_accepted(call["arguments"], PARAMETERS[call["name"]], call["name"], where, "function.arguments")
     ids = [c["id"] for c in calls.values()]
     assert len(set(ids)) == len(ids), f"{what}: calls share ids: {ids}"
     assert len(reasons) == 1, f"{what}: the stream sent finish_reason {len(reasons)} times: {reasons}"
