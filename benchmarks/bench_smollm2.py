@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_smollm2.py [--context 256] [--prompt 512] [--rows 1,8,32]
         [--seconds 3] [--rounds 3] [--no-cold-load] [--profile ROWS] [--json PATH] [--scatter]
+        [--model PATH]   # another GGUF, e.g. a Llama 3.2 1B shape from benchmarks/llama_gguf.py
 
 Measures what the machine can do, before and next to every phase (the machine may be shared;
 each ratio uses the best ceilings seen in the run), on all BLAS threads as the engine runs:
@@ -106,19 +107,20 @@ class Ceilings:
 
 
 
-def load_times(cold: bool) -> tuple[float | None, float, object]:
+def load_times(cold: bool, spec: str | None = None) -> tuple[float | None, float, object]:
+    """`spec`: a GGUF file (benchmarks/llama_gguf.py writes larger shapes); None: SmolLM2."""
     from poot.engine.models import default_model_path, load_model
     from poot.engine.models.gguf_loader import load_gguf
 
     cold_s = None
     if cold:
         t = time.perf_counter()
-        model = load_gguf(default_model_path(), cache=False)
+        model = load_gguf(spec or default_model_path(), cache=False)
         cold_s = time.perf_counter() - t
         del model
-    load_model(None)  # makes sure the cache entry exists (writes it on a first run)
+    load_model(spec)  # makes sure the cache entry exists (writes it on a first run)
     t = time.perf_counter()
-    model = load_model(None)
+    model = load_model(spec)
     cached_s = time.perf_counter() - t
     return cold_s, cached_s, model
 
@@ -249,7 +251,7 @@ def run(args) -> dict:
     ceilings = Ceilings(dot=not args.float32)
     ceilings.sample(args.seconds)
 
-    cold_s, cached_s, model = load_times(not args.no_cold_load)
+    cold_s, cached_s, model = load_times(not args.no_cold_load, getattr(args, "model", None))
     result.update(load_cold_s=cold_s, load_cached_s=cached_s)
     bench = Bench(model, args.context, block_codes=not args.float32, scatter=args.scatter)
     plan = bench.plan
@@ -406,6 +408,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-cold-load", action="store_true", help="skip the cold (uncached) model load")
     ap.add_argument("--profile", type=int, default=0, metavar="ROWS", help="cProfile 10 decode steps of ROWS rows")
     ap.add_argument("--json", help="also write the results as JSON here")
+    ap.add_argument("--model", help="a GGUF file instead of SmolLM2 (benchmarks/llama_gguf.py writes Llama 3.2 shapes)")
     ap.add_argument("--float32", action="store_true", help="every product on the float32 weights (no block codes)")
     ap.add_argument("--scatter", action="store_true",
                     help="rows' KV blocks scattered over the pool (as a long-running server leaves it), not in turn")

@@ -106,7 +106,7 @@ class Driver(ABC):
     def weight_bytes(self, model) -> int:
         """Device memory the model's weights will take once prepared, for fitting the plan
         before prepare() runs: the weights themselves, plus any copy a driver keeps."""
-        return sum(w.nbytes for w in model.weights.values())
+        return sum(4 * int(np.prod(shape)) for shape in model.weight_shapes().values())  # float32
 
     def product_choice(self) -> tuple[str, ...]:
         """What runs each weight product, where the driver measured it while preparing (for

@@ -123,7 +123,7 @@ class CupyDriver(Driver):
         plus the fp32 rotary table (positions, head_dim / 2, 2) the rope op reads."""
         program = family(model.config).program(model.config).unfused()  # fused ops as their parts
         f32 = layout(program).f32_weights
-        total = sum(w.size * (4 if name in f32 else 2) for name, w in model.weights.items())
+        total = sum(int(np.prod(shape)) * (4 if name in f32 else 2) for name, shape in model.weight_shapes().items())
         if program.paged:
             total += 4 * min(int(model.config.max_positions), MAX_POSITIONS) * program.dims["head_dim"]
         return total

@@ -93,6 +93,12 @@ class LoadedModel:
     # codes is named. None: nobody looked; whoever wants codes finds them from the values.
     block_codes: dict[str, Any] | None = None
 
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every weight's shape by name, without making a float32 copy of any held only as
+        block codes (coded_weights.py)."""
+        shapes = getattr(self.weights, "shapes", None)
+        return shapes() if shapes is not None else {name: w.shape for name, w in self.weights.items()}
+
     def encode_prompt(self, text: str) -> list[int]:
         ids = self.tokenizer.encode(text)
         if self.tokenizer.add_bos and self.tokenizer.bos_token_id is not None:

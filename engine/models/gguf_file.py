@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from .base import ModelLoadError
+from .block_codes import BLOCK, BlockCodes
 from .hf_tokenizer import GGUFVocab
 
 log = logging.getLogger(__name__)
@@ -134,6 +135,33 @@ def dequantize_tensor(tensor) -> np.ndarray:
         out = gguf.quants.dequantize(data, kind)
     shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
     return np.ascontiguousarray(out, dtype=np.float32).reshape(shape)
+
+
+# Block types whose codes a step's integer products read as the file stores them.
+CODED_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+
+
+def tensor_codes(tensor) -> BlockCodes | None:
+    """A Q4_0, Q4_1 or Q8_0 matrix's block codes as the file holds them, read without
+    dequantizing: their values, fl(d q) + m, are bit for bit what dequantize_tensor gives (d and
+    m are float16 and q has at most 8 bits, so d q is exact; Q4_0's q - 8 is q with m = -8 d).
+    None for any other type or shape."""
+    kind = tensor.tensor_type.name
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    if kind not in CODED_TYPES or len(shape) != 2 or shape[1] % BLOCK:
+        return None
+    rows, cols = shape
+    blocks = np.asarray(tensor.data).reshape(rows, cols // BLOCK, -1)
+    d = np.ascontiguousarray(blocks[:, :, 0:2]).view(np.float16)[..., 0].astype(np.float32)
+    if kind == "Q8_0":
+        codes = np.ascontiguousarray(blocks[:, :, 2:]).view(np.int8).reshape(rows, cols)
+        return BlockCodes(codes, d, np.zeros_like(d))
+    first = 4 if kind == "Q4_1" else 2
+    m = np.ascontiguousarray(blocks[:, :, 2:4]).view(np.float16)[..., 0].astype(np.float32) if kind == "Q4_1" \
+        else (d * np.float32(-8)).astype(np.float32)
+    packed = blocks[:, :, first:]  # byte j: code j in its low nibble, code j + 16 in its high one
+    codes = np.concatenate([packed & 15, packed >> 4], axis=2).reshape(rows, cols)
+    return BlockCodes(np.ascontiguousarray(codes), d, m)
 
 
 def scalar(meta: dict, key: str, default=None, *, required: bool = False):

@@ -1,24 +1,30 @@
 """Loads a Llama-family GGUF file (llama.cpp's format) into a LoadedModel.
 
-Every tensor is dequantized to float32 with gguf-py (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1,
-Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) into the canonical names and [out, in] layout of base.py.
+Q4_0, Q4_1 and Q8_0 matrices are read as their block codes (gguf_file.tensor_codes), exactly
+as the file stores them and never dequantized here: the model's weights are a CodedWeights
+(coded_weights.py) that makes a coded weight's float32 values only when one is read by name,
+and LoadedModel.block_codes names them for the CPU driver's products. The embedding keeps a
+float32 copy too (a step looks its rows up). Every other tensor is dequantized to float32
+with gguf-py (F32, F16, BF16, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K), and its exact codes
+searched for (block_codes.find), into the canonical names and [out, in] layout of base.py.
 llama.cpp's HF->GGUF converter interleaves the rotary halves of the Q and K rows; the loader
-undoes it (unpermute_rows), so the weights are in the Hugging Face "rotate_half" layout.
-A file without `output.weight` has its output head tied to the embedding.
+undoes it (unpermute_rows, on codes and scales alike), so the weights are in the Hugging Face
+"rotate_half" layout. A file without `output.weight` has its output head tied to the embedding.
 
-Cache: parsing and dequantizing a file takes seconds, so files of CACHE_MIN_BYTES (32 MiB) or
-more keep their float32 weights, config and tokenizer in
+Cache: parsing a file takes seconds, so files of CACHE_MIN_BYTES (32 MiB) or more keep their
+float32 weights, block codes, config and tokenizer in
     $POOT_CACHE_DIR/gguf/<key>/        (POOT_CACHE_DIR defaults to $XDG_CACHE_HOME/poot,
                                         that is ~/.cache/poot)
         weights.safetensors  codes.safetensors  tokenizer.json  meta.json
 keyed by the file's real path, size, modification time and first MiB; an entry for an older
-version of the same file is removed when a new one is written. codes.safetensors holds the
-exact block codes of every weight that has them (block_codes.find), which a load from the
-cache hands on as LoadedModel.block_codes: searching SmolLM2's weights for them takes 2-3 s,
-reading them a tenth of that. POOT_NO_CACHE=1 turns the cache off; load_gguf(path,
-cache=True/False) forces it on or off. The default model (SmolLM2-135M) takes about 700 MB
-there. A cache entry that cannot be read is ignored and rewritten; a cache that cannot be
-written only costs the next load its speed.
+version of the same file is removed when a new one is written. weights.safetensors holds only
+the float32 weights the model holds as floats (never a float32 copy of a matrix with codes,
+but the embedding); codes.safetensors the codes. Both are mapped, not read, when loaded.
+POOT_NO_CACHE=1 turns the cache off; load_gguf(path, cache=True/False) forces it on or off.
+The default model (SmolLM2-135M) takes about 200 MB there, a Llama 3.2 1B shape 1.8 GB. A
+cache entry that cannot be read is ignored and rewritten; a cache that cannot be written only
+costs the next load its speed. The load that writes an entry returns the entry's mapped
+weights too, so a first start holds no more memory than later ones.
 """
 
 from __future__ import annotations
@@ -38,14 +44,16 @@ import numpy as np
 from ..cache_dir import cache_root
 from . import block_codes
 from .base import LlamaConfig, LoadedModel, ModelLoadError
+from .block_codes import BlockCodes
 from .canonical import expected_shapes
-from .gguf_file import dequantize_tensor, metadata, one_line, open_reader, scalar, vocab
+from .coded_weights import CodedWeights
+from .gguf_file import dequantize_tensor, metadata, one_line, open_reader, scalar, tensor_codes, vocab
 from .hf_tokenizer import HFTokenizer, tokenizer_from_gguf
 from .safetensors_loader import map_tensors
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 2  # 2: the block codes beside the weights
+CACHE_VERSION = 3  # 2: the block codes beside the weights; 3: no float32 copy of a weight with codes
 CACHE_MIN_BYTES = 32 << 20
 ARCHITECTURES = ("llama", "mamba")
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "F64", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
@@ -150,23 +158,36 @@ def _read_model(path: Path, progress=None) -> LoadedModel:
             raise ModelLoadError(f"tensor {names[canon]} has shape {list(shapes[names[canon]])}, expected {list(shape)}")
 
     tokenizer, special = tokenizer_from_gguf(vocab(meta))
-    weights = {}
-    each = progress.each("model", f"dequantizing {path.name}", expected) if progress is not None else expected
+    floats, codes, dequantized = {}, {}, []
+    each = progress.each("model", f"reading {path.name}", expected) if progress is not None else expected
     for canon in each:
         name = names[canon]
+        heads = {".wq": config.num_heads, ".wk": config.num_kv_heads}.get(canon[-3:])
         try:
-            w = dequantize_tensor(tensors[name])
+            c = tensor_codes(tensors[name])
+            if c is None:
+                w = dequantize_tensor(tensors[name])
         except Exception as e:
-            raise ModelLoadError(f"cannot dequantize tensor {name} ({tensors[name].tensor_type.name}): {one_line(e)}") from None
-        if canon.endswith(".wq"):
-            w = unpermute_rows(w, config.num_heads)
-        elif canon.endswith(".wk"):
-            w = unpermute_rows(w, config.num_kv_heads)
-        weights[canon] = w
+            raise ModelLoadError(f"cannot read tensor {name} ({tensors[name].tensor_type.name}): {one_line(e)}") from None
+        if c is not None:
+            codes[canon] = c if heads is None else BlockCodes(*(unpermute_rows(a, heads) for a in (c.codes, c.d, c.m)))
+            if canon == "embed":  # a step looks rows up in it: kept as float32 (mapped from the cache)
+                floats[canon] = codes[canon].values()
+            continue
+        floats[canon] = w if heads is None else unpermute_rows(w, heads)
+        if w.ndim == 2:
+            dequantized.append(canon)
+    # Every weight that has codes is named (LoadedModel.block_codes): the dequantized ones
+    # (K-quants, float16 ...) are searched, as exact codes of them are rare but possible.
+    each = progress.each("model", "finding the block codes of dequantized weights", dequantized) \
+        if progress is not None and dequantized else dequantized
+    codes |= {canon: c for canon in each if (c := block_codes.find(floats[canon])) is not None}
     template = meta.get("tokenizer.chat_template")
     return LoadedModel(
-        name=str(meta.get("general.name") or path.stem), config=config, weights=weights, tokenizer=tokenizer,
-        chat_template=template if isinstance(template, str) else None, special_tokens=special, source=str(path),
+        name=str(meta.get("general.name") or path.stem), config=config,
+        weights=CodedWeights({n: floats[n] for n in floats if n not in codes or n == "embed"}, codes, list(expected)),
+        tokenizer=tokenizer, chat_template=template if isinstance(template, str) else None, special_tokens=special,
+        source=str(path), block_codes=codes,
     )
 
 
@@ -190,11 +211,13 @@ def _cache_read(entry: Path) -> LoadedModel | None:
         if meta.get("version") != CACHE_VERSION:
             return None
         config = LlamaConfig(**meta["config"])
-        weights = map_tensors(entry / "weights.safetensors")
         expected = expected_shapes(config)
-        if {k: v.shape for k, v in weights.items()} != expected or any(w.dtype != np.float32 for w in weights.values()):
+        floats = map_tensors(entry / "weights.safetensors")
+        codes = _read_codes(entry / "codes.safetensors", expected)
+        if set(floats) | set(codes) != set(expected) or any(
+                w.shape != expected[n] or w.dtype != np.float32 for n, w in floats.items()):
             return None
-        codes = _read_codes(entry / "codes.safetensors", weights)
+        weights = CodedWeights(floats, codes, list(expected))
         tokenizer = HFTokenizer.from_state((entry / "tokenizer.json").read_text(encoding="utf-8"), meta["tokenizer"])
         return LoadedModel(name=meta["name"], config=config, weights=weights, tokenizer=tokenizer,
                            chat_template=meta["chat_template"], special_tokens=meta["special_tokens"],
@@ -207,32 +230,25 @@ def _cache_read(entry: Path) -> LoadedModel | None:
 CODE_PARTS = ("codes", "d", "m")
 
 
-def _read_codes(path: Path, weights: dict[str, np.ndarray]) -> dict[str, block_codes.BlockCodes]:
+def _read_codes(path: Path, shapes: dict[str, tuple[int, ...]]) -> dict[str, block_codes.BlockCodes]:
     """The entry's block codes by weight name, mapped as the weights are; ValueError when they
-    do not fit the weights."""
+    do not fit the weights' shapes."""
     parts: dict[str, dict[str, np.ndarray]] = {}
     for key, array in map_tensors(path).items():
         name, _, part = key.rpartition("/")
         parts.setdefault(name, {})[part] = array
     codes = {}
     for name, found in parts.items():
-        if set(found) != set(CODE_PARTS) or name not in weights:
+        if set(found) != set(CODE_PARTS) or name not in shapes:
             raise ValueError(f"codes.safetensors: bad entry {name!r}")
         c = block_codes.BlockCodes(*(found[p] for p in CODE_PARTS))
-        o, i = weights[name].shape
+        o, i = shapes[name]
         scales = (o, i // block_codes.BLOCK)
         if (c.codes.shape != (o, i) or c.codes.dtype not in (np.uint8, np.int8) or c.d.shape != scales
                 or c.m.shape != scales or c.d.dtype != np.float32 or c.m.dtype != np.float32):
             raise ValueError(f"codes.safetensors: {name}'s codes do not fit its weight")
         codes[name] = c
     return codes
-
-
-def _find_codes(weights: dict[str, np.ndarray], progress=None) -> dict[str, block_codes.BlockCodes]:
-    """Every matrix's exact block codes, where it has them."""
-    matrices = [name for name, w in weights.items() if w.ndim == 2]
-    each = progress.each("model", "finding the weights' block codes", matrices) if progress is not None else matrices
-    return {name: c for name in each if (c := block_codes.find(weights[name])) is not None}
 
 
 def _cache_write(root: Path, key: str, model: LoadedModel, real: str) -> None:
@@ -243,7 +259,9 @@ def _cache_write(root: Path, key: str, model: LoadedModel, real: str) -> None:
         root.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=root))
         try:
-            save_file(model.weights, str(tmp / "weights.safetensors"))
+            weights = model.weights
+            save_file(dict(weights.floats) if isinstance(weights, CodedWeights) else dict(weights),
+                      str(tmp / "weights.safetensors"))
             save_file({f"{name}/{part}": getattr(c, part) for name, c in (model.block_codes or {}).items()
                        for part in CODE_PARTS}, str(tmp / "codes.safetensors"))
             (tmp / "tokenizer.json").write_text(model.tokenizer.to_json(), encoding="utf-8")
@@ -311,8 +329,13 @@ def _load_gguf(path: Path, cache: bool | None, cache_dir, progress) -> LoadedMod
             return model
     model = _read_model(path, progress)
     if model.config.family == "llama":  # the cache's layout is the llama family's
-        model.block_codes = _find_codes(model.weights, progress)
         if progress is not None:
-            progress.report("model", f"writing the float32 cache of {path.name}")
+            progress.report("model", f"writing the cache of {path.name}")
         _cache_write(root, key, model, str(path.resolve()))
+        # Served from the entry just written, mapped as on every later start: the float32
+        # copies made here (4.7 GB at Llama 3.2 1B's shape) are not kept for the process's life.
+        written = _cache_read(root / key) if (root / key / "meta.json").is_file() else None
+        if written is not None:
+            written.source = str(path)
+            return written
     return model

@@ -297,3 +297,24 @@ def test_lane_scales_spread_a_tail_runs_two_blocks_over_eight_lanes_each():
         want = np.zeros((2, 16), np.float32)
         want[:, 0], want[:, 8] = s[:, first], s[:, first + 1]
         assert np.array_equal(lone[:, lanes], want)
+
+
+@pytest.mark.parametrize("width", [64, 128, 512, 576, 1088, 2048, 8192])
+@pytest.mark.parametrize("levels", [16, 256])
+def test_codes_are_moved_to_the_kernels_order_as_the_order_says(width, levels):
+    """in_kernel_order moves whole axes; it must put every code where kernel_order says, for
+    runs of 16 blocks, pairs left over, and both together; 4-bit codes are then packed."""
+    from poot.engine.drivers.cpu.kernels.integer_layout import (
+        arrange_codes,
+        in_kernel_order,
+        kernel_order,
+        pack_nibbles,
+    )
+
+    u = np.random.default_rng(width).integers(0, levels, (5, width), dtype=np.uint8)
+    scattered = np.empty_like(u)
+    scattered[:, kernel_order(width)] = u
+    assert np.array_equal(in_kernel_order(u), scattered)
+    codes, order = arrange_codes(u)
+    assert np.array_equal(order, kernel_order(width))
+    assert np.array_equal(codes, pack_nibbles(scattered) if levels == 16 else scattered)

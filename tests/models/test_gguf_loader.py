@@ -59,22 +59,26 @@ def _root(a):
 def test_weights_are_writeable_and_a_load_from_the_cache_maps_it_copy_on_write(tmp_path):
     """The cache's weights are mapped, not read (a driver on block codes reads few of them),
     and copy-on-write: they stay writeable, and a write stays in the process, never in the
-    cache file another start will read."""
+    cache file another start will read. The load that writes the entry maps it too: the
+    float32 copies it dequantized are not kept."""
     path = tmp_path / "tiny.gguf"
     write_gguf(path)
-    first = load_gguf(path, cache=True, cache_dir=tmp_path / "cache")
-    for name, arr in first.weights.items():
+    uncached = load_gguf(path, cache=False)
+    for name, arr in uncached.weights.items():
         assert arr.flags.writeable and arr.flags.c_contiguous, name
         assert not isinstance(_root(arr), np.memmap | mmap.mmap | bytes), name  # dequantized here
+    first = load_gguf(path, cache=True, cache_dir=tmp_path / "cache")
     cached = load_gguf(path, cache=True, cache_dir=tmp_path / "cache")
-    for name, arr in cached.weights.items():
-        assert arr.flags.writeable and arr.flags.c_contiguous and arr.dtype == np.float32, name
-        assert isinstance(_root(arr), mmap.mmap), name
-        np.testing.assert_array_equal(arr, first.weights[name])
+    for model in (first, cached):
+        assert model.source == str(path)
+        for name, arr in model.weights.items():
+            assert arr.flags.writeable and arr.flags.c_contiguous and arr.dtype == np.float32, name
+            assert isinstance(_root(arr), mmap.mmap), name
+            np.testing.assert_array_equal(arr, uncached.weights[name])
     name = next(iter(cached.weights))
     cached.weights[name][...] = 7.0
     again = load_gguf(path, cache=True, cache_dir=tmp_path / "cache")
-    np.testing.assert_array_equal(again.weights[name], first.weights[name])
+    np.testing.assert_array_equal(again.weights[name], uncached.weights[name])
 
 
 @pytest.mark.parametrize("qtype, rtol_of_max", [(Q.F16, 1e-3), (Q.BF16, 1e-2), (Q.Q8_0, 1e-2),
@@ -395,9 +399,51 @@ def test_a_load_reports_its_progress(tmp_path):
 
     path = tmp_path / "tiny.gguf"
     write_gguf(path, seed=7, qtype=Q.Q8_0)
-    for expected in ("dequantizing tiny.gguf", "reading the cached weights of tiny.gguf"):
+    for expected in ("reading tiny.gguf", "reading the cached weights of tiny.gguf"):
         progress, seen = Progress(), []
         progress.listen(seen.append)
         load_gguf(path, cache=True, cache_dir=tmp_path / "cache", progress=progress)
         assert {s.phase for s in seen} == {"model"}
         assert any(s.detail.startswith(expected) for s in seen), [s.detail for s in seen]
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
+def test_block_quantized_matrices_are_read_as_codes_and_the_cache_keeps_no_float_copy_of_them(tmp_path, monkeypatch,
+                                                                                            qtype):
+    """A Q4_0/Q4_1/Q8_0 matrix is read as the file's codes, never dequantized at load; read by
+    name it gives the values gguf-py dequantizes, bit for bit (rows unpermuted as for float
+    weights); the cache's float32 file holds the norms and the embedding only; and a weight's
+    shape is known without making its values."""
+    from poot.engine.models import gguf_file
+
+    path = tmp_path / "tiny.gguf"
+    config = write_gguf(path, seed=6, qtype=qtype).config
+    real = gguf_file.dequantize_tensor
+    expected = {}  # gguf-py's dequantized values, rows unpermuted
+    for tensor in gguf_file.open_reader(path).tensors:
+        canon = gguf_loader._canonical_name(tensor.name, config.num_layers)
+        heads = {".wq": config.num_heads, ".wk": config.num_kv_heads}.get(canon[-3:])
+        w = real(tensor)
+        expected[canon] = w if heads is None else gguf_loader.unpermute_rows(w, heads)
+
+    def refuse_matrices(tensor):
+        if tensor.tensor_type == qtype:
+            raise AssertionError(f"{tensor.name} was dequantized at load")
+        return real(tensor)
+
+    monkeypatch.setattr(gguf_loader, "dequantize_tensor", refuse_matrices)
+    model = load_gguf(path, cache=True, cache_dir=tmp_path / "cache")
+    monkeypatch.undo()
+    matrices = {n for n, shape in model.weight_shapes().items() if len(shape) == 2}
+    assert set(model.block_codes) == matrices
+    floats = gguf_loader.map_tensors(next((tmp_path / "cache").rglob("weights.safetensors")))
+    assert set(floats) == {n for n in model.weights if n not in matrices} | {"embed"}
+    for name in model.weights:
+        np.testing.assert_array_equal(model.weights[name], expected[name], err_msg=name)
+        assert model.weights[name].dtype == np.float32 and model.weights[name].flags.c_contiguous
+    uncached = gguf_loader._read_model(path)
+    np.testing.assert_array_equal(uncached.weights["layers.0.wq"], expected["layers.0.wq"])
+    shapes = {name: w.shape for name, w in expected.items()}
+    monkeypatch.setattr(type(model.block_codes["layers.0.wq"]), "values",
+                        lambda self: pytest.fail("a shape made a weight's values"))
+    assert model.weight_shapes() == shapes

@@ -10,7 +10,7 @@ products. The package, one module a job:
     decoder_stack.py    a program's Llama layers in one compiled call, where its products allow
     products/           one product interface, a class per way of running one, the choice
     kernels/            the numba kernels, a file a family of kernels
-    platform/           MKL, 2 MiB pages, the host's memory and CPU name
+    platform/           MKL, 2 MiB pages, mapped pages given back, the host's memory and CPU name
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from . import target
 from .attention import StepLayout, kv_cache_shape, step_layout
 from .decoder_stack import decoder_stack
 from .glue import Glue
-from .platform import host, huge_pages, mkl
+from .platform import host, huge_pages, mapped, mkl
 from .platform.host import cpu_name, host_memory_bytes
 from .products import ModelProducts
 from .products.choice_cache import ChoiceCache
@@ -105,7 +105,8 @@ class CpuDriver(Driver):
         products will run there (the few-token kernel still reads the originals)."""
         total = super().weight_bytes(model)
         if self._uses_mkl():
-            total += sum(w.nbytes for w in model.weights.values() if w.ndim == 2 and w.size >= mkl.MIN_PACKED_WEIGHTS)
+            sizes = (int(np.prod(shape)) for shape in model.weight_shapes().values() if len(shape) == 2)
+            total += sum(4 * size for size in sizes if size >= mkl.MIN_PACKED_WEIGHTS)
         # The block codes are a second copy, with their float32 values (for the float paths
         # their products may choose) packed for MKL in place of the folded matrix.
         for codes, scale in self._block_codes(model).values():
@@ -144,6 +145,7 @@ class CpuDriver(Driver):
         self.stack = None
         if self._want_stack and self.products is not None and self.products.coded:
             self.stack = decoder_stack(program, self.products, self.kv_pool, self.runtime)
+        self._give_back_codes(model)
         if self.products is not None:
             self.walk = KernelOps(program, self.weights, self.kv, self.state, self.products,
                                   Glue(self.runtime, shared_pool=self._uses_mkl()), self.stack)
@@ -167,6 +169,14 @@ class CpuDriver(Driver):
             progress=self.progress, quiet=pool.wait if pool is not None else None)  # nothing timed beside it
         if self.products.coded:
             self._built()  # the block kernels
+
+    def _give_back_codes(self, model) -> None:
+        """Once the products hold the codes in their own layout, the family's joined codes
+        (QKV, gate/up) go, and the loader's mapped codes leave the resident set
+        (platform/mapped.py): a Llama 3.2 1B shape held 2.2 GB more without this."""
+        self._codes = (None, {})
+        known = getattr(model, "block_codes", None) or {}
+        mapped.release(a for c in known.values() for a in (c.codes, c.d, c.m))
 
     def _allocate(self, plan: Plan) -> huge_pages.Zeroing | None:
         """Each layer's KV cache (one pool) or recurrent state. The pool's pages are being

@@ -85,7 +85,22 @@ def kernel_order(width: int) -> np.ndarray:
 def arrange_codes(u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """A matrix's unsigned codes (o, i) as the integer kernel reads them (codes of 0..15 two a
     byte, others a byte each) and the order its activations take (kernel_order)."""
-    order = kernel_order(u.shape[1])
-    arranged = np.empty_like(u)
-    arranged[:, order] = u
-    return (pack_nibbles(arranged) if u.max(initial=0) <= 15 else arranged), order
+    arranged = in_kernel_order(u)
+    return (pack_nibbles(arranged) if u.max(initial=0) <= 15 else arranged), kernel_order(u.shape[1])
+
+
+def in_kernel_order(u: np.ndarray) -> np.ndarray:
+    """u (o, i) with its columns where kernel_order puts them (`out[:, order] = u`), moved as
+    transposes: a run of GROUP blocks swaps its (block, word pair) axes, a run of 2 its (block,
+    half) axes. A scatter by the order took 7 of a Llama 3.2 1B shape's 26 s of preparing."""
+    u = np.ascontiguousarray(u)
+    o, i = u.shape
+    full = i // (GROUP * BLOCK) * (GROUP * BLOCK)
+    # Moved as wide words (a word pair as one uint16, a half-block as two uint64): numpy copies
+    # a transpose item by item, and bytes one at a time cost 6x as much.
+    pairs = u.view(np.uint16)[:, : full // 2].reshape(o, -1, GROUP, BLOCK // 2)
+    runs = [pairs.transpose(0, 1, 3, 2).reshape(o, full // 2).view(np.uint8)]
+    if full < i:
+        halves = u[:, full:].view(np.uint64).reshape(o, -1, 2, 2, 2)
+        runs.append(halves.transpose(0, 1, 3, 2, 4).reshape(o, (i - full) // 8).view(np.uint8))
+    return np.ascontiguousarray(runs[0] if len(runs) == 1 else np.concatenate(runs, axis=1))
