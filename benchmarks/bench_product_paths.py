@@ -8,7 +8,9 @@ this machine, path by path, and what it picked.
 The driver prepares as `poot-serve --retune` does (its choice measured afresh, kept in a
 temporary folder, not the user's cache), and the choice's own timings are printed: per shape,
 milliseconds per product for each path and token count, `*` on the path its table runs there.
-A path the choice stopped timing at a token count (three times slower than the best after two
+The paths that hold a float32 copy (MKL, OpenBLAS) are timed from 12 tokens up, on
+the first matrix of each shape (only it has the copy while the choice is made); their
+few-token cells stay empty. A path the choice stopped timing at a token count (three times slower than the best after two
 passes) shows the figure it had then, in brackets. The header names the CPU, its vector flags,
 the code MKL runs (its branch; "auto" on a CPU that is not Intel's) and OpenBLAS's kernels.
 """

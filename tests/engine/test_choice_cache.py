@@ -220,3 +220,57 @@ def test_a_machine_too_busy_to_time_keeps_the_preferred_paths_until_a_quieter_st
     assert quiet.origin() == "measured" and quiet.timed
     monkeypatch.setattr(model_products, "_quiet_now", lambda: pytest.fail("a timed choice is read without a watch"))
     assert products_of(model, tmp_path).origin() == "cached"
+
+
+@pytest.mark.parametrize("float_wins", [False, True])
+def test_a_measurement_copies_one_matrix_a_shape_and_the_rest_only_where_a_copy_wins(model, tmp_path, monkeypatch,
+                                                                                     float_wins):
+    """Measuring builds the paths that hold a float32 copy (Path.float_copy) for the first
+    matrix of each shape only, and times them there from MEMORY_BOUND_TOKENS up; once the
+    choice is made every matrix holds exactly the paths its shape's table names, a copy
+    where one won a bucket, and computes on it what its own integer path computes."""
+    from poot.engine.drivers.cpu.products import choice
+    from poot.engine.drivers.cpu.products.registry import CODE_PATHS
+
+    copies = {k.name for k in CODE_PATHS if k.float_copy}
+    built = []
+    real_build, real_table = model_products.coded_product, choice._table
+
+    def spy(codes, colscale, runtime, names=None, head=False):
+        product = real_build(codes, colscale, runtime, names, head)
+        built.append(((product.shape, product.head), set(product.paths)))
+        return product
+
+    def copy_from_12(seconds, pools, first, margin=choice.KEEP_MARGIN):
+        table = real_table(seconds, pools, first, margin)
+        timed = sorted(seconds)
+        copy = next((p for t in timed if t > choice.MEMORY_BOUND_TOKENS for p in seconds[t] if p in copies), None)
+        if not float_wins or copy is None or timed[-1] <= choice.MEMORY_BOUND_TOKENS:
+            return table
+        return [(choice.MEMORY_BOUND_TOKENS, first), (timed[-1], copy)]
+
+    monkeypatch.setattr(model_products, "coded_product", spy)
+    monkeypatch.setattr(choice, "_table", copy_from_12)
+    products = products_of(model, tmp_path)
+    groups: dict[tuple, list] = {}
+    for p in products.on_codes():
+        groups.setdefault((p.shape, p.head), []).append(p)
+    assert any(len(members) > 1 for members in groups.values())
+    # The builds before the choice, in order (the kernels' check on a known input aside).
+    first = [(group, paths) for group, paths in built if group in groups][: len(products.on_codes())]
+    seen: set[tuple] = set()
+    for group, paths in first:
+        if group in seen:
+            assert not paths & copies, "a copy was built for a matrix that is not its shape's first"
+        seen.add(group)
+    assert any(paths & copies for _, paths in first), "no shape was offered a path with a copy: nothing shown"
+    for c in (c for c in products.choices if c.matrices > 1):  # a lone matrix holds all it may take
+        for tokens in (t for t in c.seconds if t <= choice.MEMORY_BOUND_TOKENS):
+            assert not set(c.seconds[tokens]) & copies, "a copy is not timed where a pass reads every matrix"
+    x = np.random.default_rng(0).standard_normal((products.on_codes()[0].shape[1], 16), dtype=np.float32)
+    for (shape, _), members in groups.items():
+        for p in members:
+            assert set(p.paths) == {path for _, path in p.table}
+            if float_wins and p.table[-1][1] in copies and shape[1] == x.shape[0]:
+                np.testing.assert_allclose(p.run(x, path=p.table[-1][1]), p.run(x, path=p.table[0][1]),
+                                           rtol=1e-4, atol=1e-4)

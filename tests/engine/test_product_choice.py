@@ -220,3 +220,21 @@ def test_the_watch_of_others_says_nothing_for_a_moment_and_a_share_after_one():
         pass
     share = watch.share()
     assert share is None or 0.0 <= share <= 1.0
+
+
+def test_a_path_only_the_first_matrix_holds_is_timed_there_and_only_above_the_memory_bound():
+    """A float32 copy built for the first matrix of a shape alone (model_products.py): timed on
+    that matrix where a pass times one, never where a pass reads every matrix, and it can
+    still win the buckets it is timed at."""
+    first = FakeProduct((64, 32), ("int8", "mkl"))
+    products = [first, *(FakeProduct((64, 32), ("int8",)) for _ in range(3))]
+    clock = Clock(lambda s, p, t: 1 + t / 4 if p == "int8" else 6)
+
+    def run(product, path, x):
+        assert path in product.paths, f"{path} ran on a matrix without it"
+        clock.run(product, path, x)
+
+    made = choice.choose(products, 64, 8, run, lambda: None, clock, neighbours=Neighbours(0.0))
+    assert {t for _, p, t in clock.calls if p == "mkl"} == {t for t in choice.BUCKETS
+                                                            if choice.MEMORY_BOUND_TOKENS < t <= 64}
+    assert [c.table for c in made] == [[(16, "int8"), (64, "mkl")]]

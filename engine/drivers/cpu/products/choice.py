@@ -201,6 +201,13 @@ def _time(members: list, paths: list[str], x: np.ndarray, run, clock) -> dict[st
     time, and one PRUNE times slower than the best after two passes is timed no more."""
     tokens = x.shape[1]
     chosen = members if tokens <= MEMORY_BOUND_TOKENS else members[:1]
+    # A path only some matrices hold (a float32 copy built for the first of the shape alone,
+    # model_products.py) is not timed where a pass reads every matrix: timed over one, its
+    # matrix would come from the cache. There it never won: 3-20x slower at one token, and
+    # several times at 8 on 1B-sized matrices, in every table in perf-notes.
+    paths = [path for path in paths if all(path in p.paths for p in chosen)]
+    if not paths:
+        return {}
     for path in paths:
         run(chosen[0], path, x)  # first use: pages touched, buffers made
     least = dict.fromkeys(paths, float("inf"))

@@ -25,14 +25,18 @@ log = logging.getLogger("poot.engine")
 class ModelProducts:
     def __init__(self, weights: dict[str, np.ndarray], names: list[str], runtime: Runtime, head: str | None = None,
                  codes: dict | None = None, use_mkl: bool = True, int8: bool = True, keep: dict | None = None,
-                 progress=None):
+                 progress=None, copies_for_one: bool = False):
         """`names`: the weights the program's products read; `head`: the output head's, whose
         products return token-major logits; `codes`: {name: (BlockCodes, colscale or None)} for
         the matrices whose products run on block codes, on the paths this machine has: integer
         dot products where the CPU has them (and `int8`), MKL where it loads (and `use_mkl`).
         `keep`: {(shape, head): path names} builds only those paths of the matrices on codes
         of that shape (what a kept choice names: the others would cost their layouts and
-        copies for nothing); `progress` (engine/progress.py) hears how far building is."""
+        copies for nothing); `progress` (engine/progress.py) hears how far building is.
+        `copies_for_one` (with no `keep`, for measuring): of each shape's matrices only the
+        first gets the paths that hold a float32 copy (Path.float_copy); the others get them in
+        measure() where they win a bucket. A Llama 3.2 1B shape's copies for every path took
+        12.8 GB to time."""
         codes = codes or {}
         allowed = allowed_paths(use_mkl, int8)
         if codes:
@@ -45,9 +49,17 @@ class ModelProducts:
         if progress is not None and coded:
             coded = progress.each("compile", "laying out the weights for their products", coded)
         self._products: dict[str, Product] = {}
+        self._sources: dict[str, tuple] = {}  # the codes of matrices built without their copies
+        copied: set[tuple] = set()  # the shapes whose first matrix has its copies
         for name in coded:
             c, scale = codes[name]
-            paths = allowed if keep is None else tuple(p for p in allowed if p in keep.get(_group(c, name, head), allowed))
+            group = _group(c, name, head)
+            paths = allowed if keep is None else tuple(p for p in allowed if p in keep.get(group, allowed))
+            if copies_for_one and keep is None:
+                if group in copied:
+                    paths = tuple(p for p in paths if not _PATHS[p].float_copy)
+                    self._sources[name] = (c, scale)
+                copied.add(group)
             self._products[name] = coded_product(c, scale, runtime, paths, head=name == head)
         for name in sorted(wanted - set(codes)):
             self._products[name] = float_product(weights[name], runtime, head=name == head, use_mkl=use_mkl)
@@ -85,7 +97,7 @@ class ModelProducts:
             except (KeyError, TypeError, ValueError):
                 pass
             log.warning("the kept product choice does not fit this model's products: measuring again")
-        products = cls(weights, names, runtime, head, codes, use_mkl, int8, progress=progress)
+        products = cls(weights, names, runtime, head, codes, use_mkl, int8, progress=progress, copies_for_one=True)
         if products.coded:
             if quiet is not None:
                 quiet()
@@ -127,9 +139,23 @@ class ModelProducts:
         self.choices = choice.choose(self.on_codes(), max_tokens, head_tokens,
                                      lambda product, path, x: product.run(x, path=path), self.runtime.settle,
                                      progress=progress)
+        self._complete()
         self.measure_seconds = time.perf_counter() - start
         self.measured_at, self.measured_now = now_utc(), True
         return self.choices
+
+    def _complete(self) -> None:
+        """Builds the paths its shape's table names on each matrix built without them
+        (`copies_for_one`): a float32 copy only where it won a bucket."""
+        for name, (c, scale) in self._sources.items():
+            product = self._products[name]
+            wanted = tuple(dict.fromkeys(path for _, path in product.table))
+            if all(path in product.paths for path in wanted):
+                continue
+            whole = coded_product(c, scale, self.runtime, (*product.paths, *wanted), head=product.head)
+            whole.table = product.table
+            self._products[name] = whole
+        self._sources = {}
 
     @property
     def timed(self) -> bool:
@@ -167,6 +193,9 @@ def _quiet_now() -> bool:
     time.sleep(QUIET_PROBE_S)
     share = watch.share()
     return share is not None and share <= choice.BUSY_LIMIT
+
+
+_PATHS = {k.name: k for k in CODE_PATHS}
 
 
 def allowed_paths(use_mkl: bool, int8: bool) -> tuple[str, ...]:

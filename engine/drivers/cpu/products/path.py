@@ -30,6 +30,9 @@ class Path(ABC):
     blas_threads: ClassVar[bool] = False
     # Runs a numba kernel, whose threads are set for the product's work.
     numba_kernel: ClassVar[bool] = False
+    # Holds a float32 copy of a matrix on block codes (4 bytes a weight where the codes take
+    # half of one or one): built for every matrix of a shape only where it wins (model_products.py).
+    float_copy: ClassVar[bool] = False
 
     @classmethod
     def available(cls, runtime) -> bool:
@@ -66,6 +69,8 @@ class ValuesPath(Path):
     """A path over the matrix's float32 values (MKL, BLAS): a float32 matrix as it is, or a
     matrix on block codes by the codes' values, its input quantized first as every path on
     codes takes it."""
+
+    float_copy = True
 
     @classmethod
     def of_codes(cls, codes: Codes, head: bool, runtime) -> ValuesPath:
