@@ -19,6 +19,39 @@ GAP_RATIO_TARGET = 3.0  # at 32 streams, the largest gap at most 3x the median
 
 
 @dataclass(frozen=True)
+class Goodput:
+    """What a request must meet to count toward goodput (DistServe's word, vLLM's
+    benchmark_serving --goodput): its time to first token at most `ttft_s`, and its mean gap
+    between tokens after the first (its decode time over its gaps) at most `itl_s`."""
+
+    ttft_s: float = 5.0
+    itl_s: float = 0.2
+
+    @classmethod
+    def parse(cls, text: str) -> Goodput:
+        """'ttft=MS,itl=MS' (either may be left out: its default stays)."""
+        given: dict[str, float] = {}
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            name, sep, value = part.partition("=")
+            if not sep or name not in ("ttft", "itl"):
+                raise ValueError(f"--goodput: {part!r}: give ttft=MS and/or itl=MS, e.g. ttft=5000,itl=200")
+            try:
+                ms = float(value)
+            except ValueError:
+                raise ValueError(f"--goodput: {name}={value!r} is not a number of milliseconds") from None
+            if not ms > 0:
+                raise ValueError(f"--goodput: {name} must be above 0 ms")
+            given[f"{name}_s"] = ms / 1e3
+        return cls(**given)
+
+    def met_by(self, r: dict) -> bool:
+        chunks = r.get("chunks") or []
+        if r["status"] != "ok" or not chunks or chunks[0] > self.ttft_s:
+            return False
+        return len(chunks) < 2 or (chunks[-1] - chunks[0]) / (len(chunks) - 1) <= self.itl_s
+
+
+@dataclass(frozen=True)
 class LevelPlan:
     concurrency: int
     warmup: int
@@ -177,8 +210,29 @@ def window_throughput(records: list[dict]) -> tuple[float | None, float, float]:
     return (tokens / span if span > 0 else None), tokens, span
 
 
-def level_summary(records: list[dict], plan: LevelPlan) -> dict:
+def window_prompt_tokens(records: list[dict]) -> tuple[float | None, int]:
+    """(prompt tokens/s, tokens) over the same window as window_throughput: the prompts of
+    every request whose first token arrived in it (its prefill ended there). A request hung up
+    on before its usage came back counts its prompt's length from another request's usage
+    (the tag before it differs by a digit at most), or not at all where none reported it."""
+    measured = [r for r in records if r["kind"] == "measured" and r.get("end") is not None]
+    if not measured:
+        return None, 0
+    t_start = min(r["t_sent"] for r in measured)
+    t_end = max(r["t_sent"] + r["end"] for r in measured)
+    known = {r["prompt_index"]: r["prompt_tokens"] for r in records if r.get("prompt_tokens") is not None}
+    tokens = 0
+    for r in records:
+        chunks = r.get("chunks") or []
+        if chunks and t_start <= r["t_sent"] + chunks[0] <= t_end:
+            tokens += r.get("prompt_tokens") or known.get(r["prompt_index"], 0)
+    span = t_end - t_start
+    return (tokens / span if span > 0 else None), tokens
+
+
+def level_summary(records: list[dict], plan: LevelPlan, goodput: Goodput | None = None) -> dict:
     """The figures of one level from its records (pure: tests feed it recorded data)."""
+    goodput = goodput or Goodput()
     measured = [r for r in records if r["kind"] == "measured"]
     ok = [r for r in measured if r["status"] == "ok"]
     errors = [r for r in records if r["status"] == "error"]
@@ -196,6 +250,8 @@ def level_summary(records: list[dict], plan: LevelPlan) -> dict:
     prompt_tokens = [r["prompt_tokens"] for r in measured if r.get("prompt_tokens") is not None]
     cached = [r["cached_tokens"] for r in measured if r.get("cached_tokens") is not None]
     worst = max(ratios, key=lambda x: x["ratio"]) if ratios else None
+    prompt_tps, prompt_window = window_prompt_tokens(records)
+    good = sum(goodput.met_by(r) for r in measured)
     return {
         "concurrency": plan.concurrency,
         "requests": {"measured": len(measured), "ok": len(ok), "warmup": sum(r["kind"] == "warmup" for r in records),
@@ -217,6 +273,10 @@ def level_summary(records: list[dict], plan: LevelPlan) -> dict:
                           "short": sum(n != plan.max_tokens for n in with_usage), "total": sum(with_usage),
                           "tokens_per_chunk": (sum(with_usage) / chunks) if chunks else None},
         "prompt_tokens": stats.describe(prompt_tokens, (50,)),
+        "prompt_tok_s": prompt_tps,
+        "prompt_window_tokens": prompt_window,
+        "goodput": {"ttft_s": goodput.ttft_s, "itl_s": goodput.itl_s, "met": good, "of": len(measured),
+                    "req_s": (good / span) if span > 0 else None},
         "cached_tokens": sum(cached) if cached else None,
     }
 

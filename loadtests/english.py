@@ -123,6 +123,10 @@ def prompt_set(seed: int = 0, count: int = 64, lo: int = 22, hi: int = 186,
     at a word boundary. The same arguments give the same prompts on every machine."""
     if count > len(SENTENCES):
         raise ValueError(f"at most {len(SENTENCES)} distinct prompts (one opening sentence each)")
+    longest = int(sum(len(s) + 1 for s in SENTENCES) / chars_per_token)
+    if not 1 <= lo <= hi <= longest:
+        raise ValueError(f"prompt lengths {lo}-{hi} tokens: give 1 <= low <= high <= {longest} "
+                         f"(every sentence once, at {chars_per_token:g} characters a token)")
     rng = random.Random(f"poot:english:{seed}")
     openings = list(range(len(SENTENCES)))
     rng.shuffle(openings)

@@ -119,18 +119,28 @@ def vllm_setup() -> tuple[Path, Path] | None:
     return (python, model) if python.is_file() and (model / "model.safetensors").is_file() else None
 
 
-def default_targets(levels: list[int], poot: Target | None = None) -> list[Target]:
-    """poot-serve (`poot`, else on its default model), then llama-server on the same GGUF when it is built,
-    and vLLM's CPU build on the same weights when ci/setup_vllm.sh has set it up."""
+def slot_context(request_tokens: int) -> int:
+    """Context a llama-server slot needs for requests of up to `request_tokens` (prompt and
+    output), in multiples of 256, at least 1024: llama.cpp splits -c evenly over its slots and
+    refuses a request longer than its slot's share."""
+    return max(1024, -(-request_tokens // 256) * 256)
+
+
+def default_targets(levels: list[int], poot: Target | None = None, gguf: str | None = None,
+                    request_tokens: int = 1024) -> list[Target]:
+    """poot-serve (`poot`, else on its default model), then llama-server on the same GGUF
+    (`gguf`, else the default model's) when it is built, each slot with room for requests of
+    `request_tokens`, and vLLM's CPU build on SmolLM2's weights when ci/setup_vllm.sh has set
+    it up and the model is the default one."""
     targets = [poot if poot is not None else poot_target()]
-    binary, gguf = llama_server_binary(), default_gguf()
-    if binary is not None and gguf is not None:
+    binary, model_file = llama_server_binary(), gguf or default_gguf()
+    if binary is not None and model_file is not None:
         slots = max(32, max(levels))
         threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
-        targets.append(Target("llama", command=f"{shlex.quote(str(binary))} -m {shlex.quote(str(gguf))} "
+        targets.append(Target("llama", command=f"{shlex.quote(str(binary))} -m {shlex.quote(str(model_file))} "
                               f"--host 127.0.0.1 --port {{port}} -t {threads} --parallel {slots} "
-                              f"-c {1024 * slots} --metrics"))
-    if (found := vllm_setup()) is not None:
+                              f"-c {slot_context(request_tokens) * slots} --metrics"))
+    if gguf is None and (found := vllm_setup()) is not None:
         python, model = found
         targets.append(Target("vllm", command=f"env VLLM_CPU_KVCACHE_SPACE=4 {shlex.quote(str(python))} -m "
                               f"vllm.entrypoints.openai.api_server --model {shlex.quote(str(model))} "

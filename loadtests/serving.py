@@ -4,7 +4,8 @@ any other OpenAI-compatible server, one server after the other, in one run.
 For each server and each concurrency C, C workers stream `/v1/completions` requests, each
 sending its next request as soon as its last one ended. Every request streams `max_tokens`
 (128) tokens greedily with `ignore_eos`, from one of 64 distinct English prompts
-(english.prompt_set), opened with a short tag of its own ("Request 17. ") so that no server
+(english.prompt_set: 22-186 tokens in the `chat` mix, 1,200-1,400 in the prefill-heavy `long`
+one, as retrieval, long chat histories and agents send), opened with a short tag of its own ("Request 17. ") so that no server
 can reuse a cached prefix of an earlier request; their lengths are what the server's
 `usage.prompt_tokens` says, recorded. A level is:
 
@@ -20,7 +21,9 @@ gaps between successive streamed chunks of one request (pooled over the measured
 a chunk carries one token on both servers here, and the ratio of usage tokens to chunks is
 recorded); per stream the largest gap over its median gap (the mean gap when the median is
 under a quarter of the mean, i.e. chunks arrived in clumps); errors; and /metrics before and
-after (poot: engine_step_duration_seconds by kind, the longest step, engine_compiles).
+after (poot: engine_step_duration_seconds by kind, the longest step, engine_compiles);
+prompt tokens/s (the prompts of the requests whose first token arrived in the window); and
+goodput, the measured requests a second that met a TTFT and an ITL target (--goodput).
 """
 
 from __future__ import annotations
@@ -39,9 +42,10 @@ from poot.conformance.kind import DISPLAY
 from poot.conformance.report import suite_commit
 from poot.loadtests import machine, scrape
 from poot.loadtests.client import discover_model
-from poot.loadtests.closed_loop import LevelPlan, compact, level_summary, run_level
+from poot.loadtests.closed_loop import Goodput, LevelPlan, compact, level_summary, run_level
 from poot.loadtests.english import prompt_set
 from poot.loadtests.keys import ENV_VAR, api_key
+from poot.loadtests.memory import RssSampler
 from poot.loadtests.peers import (
     Target,
     apply_bodies,
@@ -57,13 +61,15 @@ from poot.loadtests.serving_report import PAGE_COMMAND, line, markdown, page, ra
 from poot.loadtests.step_metrics import metrics_delta
 
 DEFAULT_LEVELS = (1, 8, 32)
+MIXES = {"chat": (22, 186), "long": (1200, 1400)}  # prompt lengths in tokens, drawn uniformly
 
 
 def run_server(target: Target, plans: list[LevelPlan], prompts: list[str], logs: str, say, tag: bool = True,
-               startup_timeout: float = 600.0, level_timeout: float = 1800.0, progress_s: float = 5.0, key: str | None = None) -> dict:
+               startup_timeout: float = 600.0, level_timeout: float = 1800.0, progress_s: float = 5.0, key: str | None = None,
+               goodput: Goodput | None = None) -> dict:
     """Every level against one server: started here (and stopped) when given as a command."""
     result: dict = {"name": target.name, "command": target.command, "url": target.url, "levels": []}
-    server = None
+    server = sampler = None
     try:
         if target.command:
             log = os.path.join(logs, f"{target.name}.log")
@@ -72,6 +78,9 @@ def run_server(target: Target, plans: list[LevelPlan], prompts: list[str], logs:
             t0 = time.time()
             url = server.start()
             result["startup_s"] = time.time() - t0
+            # Its resident memory, from /proc, once a second: at healthy, and each level's peak.
+            sampler = RssSampler(pid=server.pid, interval=1.0).start()
+            result["rss_healthy_bytes"] = sampler.samples[0][1] if sampler.samples else None
         else:
             url = target.url.rstrip("/")
         result["url"] = url
@@ -89,15 +98,18 @@ def run_server(target: Target, plans: list[LevelPlan], prompts: list[str], logs:
             load0 = os.getloadavg()
             say(f"[{target.name}] C={plan.concurrency}: warm-up {plan.warmup}, measuring "
                 + (f"{plan.requests} requests" if plan.requests is not None else f"{plan.seconds:.0f}s"))
-            t0 = time.perf_counter()
+            t0, wall0 = time.perf_counter(), time.time()
             records = asyncio.run(run_level(url, model, prompts, plan, extra, k, tag, say, progress_s, level_timeout,
                                               key))
             wall = time.perf_counter() - t0
             k += len(records)
             wait_quiet(url, key=key)
             after = scrape.fetch(url, api_key=key)
-            summary = level_summary(records, plan)
-            summary.update(wall_s=wall, quiet_before=quiet, loadavg_before=load0, loadavg_after=os.getloadavg(),
+            summary = level_summary(records, plan, goodput)
+            if sampler is not None:
+                sampler.sample()  # a level shorter than the interval has this one at least
+            peak = max((v for t, v in (sampler.samples if sampler else []) if t >= wall0), default=None)
+            summary.update(wall_s=wall, rss_peak_bytes=peak, quiet_before=quiet, loadavg_before=load0, loadavg_after=os.getloadavg(),
                            metrics=metrics_delta(before, after), metrics_after=after,
                            records=[compact(r) for r in records])
             result["levels"].append(summary)
@@ -106,6 +118,8 @@ def run_server(target: Target, plans: list[LevelPlan], prompts: list[str], logs:
         result["error"] = f"{type(exc).__name__}: {exc}"
         say(f"[{target.name}] failed: {result['error']}")
     finally:
+        if sampler is not None:
+            sampler.stop()
         if server is not None:
             result["exit_code"] = server.stop()
     return result
@@ -132,6 +146,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, help="warm-up requests per level, excluded (default C)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--prompts", type=int, default=64, help="distinct prompts")
+    p.add_argument("--mix", choices=sorted(MIXES), default="chat",
+                   help="prompt lengths: chat (22-186 tokens) or long (1,200-1,400: prefill-heavy)")
+    p.add_argument("--prompt-tokens", metavar="LOW-HIGH", help="prompt lengths in tokens instead of the mix's")
+    p.add_argument("--goodput", default="", metavar="ttft=MS,itl=MS",
+                   help="what a request must meet to count toward goodput: time to first token and mean gap "
+                        f"between tokens (default ttft={Goodput().ttft_s * 1e3:g},itl={Goodput().itl_s * 1e3:g})")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chars-per-token", type=float, default=4.77,
                    help="prompt lengths: characters per token (4.77 fits SmolLM2's tokenizer; 1 a byte tokenizer)")
@@ -156,6 +176,14 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _prompt_range(text: str) -> tuple[int, int]:
+    low, sep, high = text.partition("-")
+    try:
+        return int(low), int(high if sep else low)
+    except ValueError:
+        raise ValueError(f"--prompt-tokens {text!r}: give LOW-HIGH in tokens, e.g. 1200-1400") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
     if a.page:
@@ -175,7 +203,13 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--concurrency: give positive integers, e.g. 1,8,32")
         given = a.server + ([f"server={a.url}"] if a.url else [])
         poot = poot_target(a.serve_model, a.serve_args, key)
-        targets = parse_targets(given) if given else default_targets(levels, poot)
+        goodput = Goodput.parse(a.goodput)
+        lo, hi = _prompt_range(a.prompt_tokens) if a.prompt_tokens else MIXES[a.mix]
+        prompts = prompt_set(a.seed, a.prompts, lo, hi, chars_per_token=a.chars_per_token)
+        # Room for the longest prompt (the tag and a tokenizer that splits finer: 25% more) and its output.
+        request_tokens = int(hi * 1.25) + 16 + a.max_tokens
+        gguf = a.serve_model if a.serve_model and a.serve_model.endswith(".gguf") else None
+        targets = parse_targets(given) if given else default_targets(levels, poot, gguf, request_tokens)
         if a.serve and given:
             if any(t.name == poot.name for t in targets):
                 raise ValueError(f"--serve: a --server is named {poot.name!r} already")
@@ -192,19 +226,20 @@ def main(argv: list[str] | None = None) -> int:
     plans = [LevelPlan(c, c if a.warmup is None else a.warmup,
                        None if a.seconds is not None and a.requests is None else (a.requests or max(8, 2 * c)),
                        a.seconds, a.max_tokens, a.request_timeout) for c in levels]
-    prompts = prompt_set(a.seed, a.prompts, chars_per_token=a.chars_per_token)
     out = a.out or os.path.join("loadtest-reports", f"serving-{time.strftime('%Y%m%d-%H%M%S')}")
     logs = a.logs or os.path.join(out, "logs")
     for folder in (out, logs):
         os.makedirs(folder, exist_ok=True)
     started = time.strftime("%Y-%m-%d %H:%M:%S")
     say(f"poot-load serving: {len(targets)} servers ({', '.join(t.name for t in targets)}), one after the other; "
-        f"levels {levels}; {len(prompts)} prompts, {a.max_tokens} tokens each")
+        f"levels {levels}; {len(prompts)} prompts of {lo}-{hi} tokens, {a.max_tokens} output tokens each")
     servers = [run_server(t, plans, prompts, logs, say, not a.no_request_tag, a.startup_timeout,
-                          a.level_timeout, a.progress_interval, key) for t in targets]
+                          a.level_timeout, a.progress_interval, key, goodput) for t in targets]
     result = {"config": {"concurrency": levels, "requests": a.requests, "seconds": a.seconds, "warmup": a.warmup,
                          "max_tokens": a.max_tokens, "prompts": len(prompts), "seed": a.seed,
-                         "chars_per_token": a.chars_per_token, "request_tag": not a.no_request_tag},
+                         "chars_per_token": a.chars_per_token, "request_tag": not a.no_request_tag,
+                         "mix": None if a.prompt_tokens else a.mix, "prompt_tokens_target": [lo, hi],
+                         "goodput": {"ttft_s": goodput.ttft_s, "itl_s": goodput.itl_s}},
               "started": started, "cpus": os.cpu_count(), "cpu": machine.cpu(), "commit": suite_commit(),
               "logs": logs, "prompt_texts": prompts,
               "servers": servers}

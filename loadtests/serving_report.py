@@ -25,6 +25,27 @@ def line(s: dict) -> str:
             f"max {_ms(it['max'])} ms; worst max/median gap {_x(s['gap_ratio']['worst'], 1)}x")
 
 
+def _goodput(g: dict | None) -> str:
+    """Requests a second that met the targets, and how many of the measured did."""
+    if not g:
+        return "-"
+    return f"{_x(g['req_s'], 3)} ({g['met']}/{g['of']})"
+
+
+def _mix(cfg: dict) -> str:
+    """The prompts' lengths as configured (runs before the mixes: 22-186 tokens)."""
+    lo, hi = cfg.get("prompt_tokens_target") or (22, 186)
+    return (f"the {cfg['mix']} mix, " if cfg.get("mix") else "") + f"{lo}-{hi} tokens"
+
+
+def _goodput_rule(cfg: dict) -> str:
+    g = cfg.get("goodput")
+    if not g:
+        return ""
+    return (f" Goodput: measured requests a second with TTFT at most {g['ttft_s'] * 1e3:g} ms and a mean gap "
+            f"between tokens at most {g['itl_s'] * 1e3:g} ms (met / measured).")
+
+
 def _ratio(a, b):
     return (a / b) if (a is not None and b) else None
 
@@ -43,7 +64,9 @@ def ratios(result: dict) -> list[dict]:
                 continue
             out.append({"concurrency": lv["concurrency"], "base": base["name"], "other": other["name"],
                         "out_tok_s": _ratio(lv["out_tok_s"], o["out_tok_s"]),
+                        "prompt_tok_s": _ratio(lv.get("prompt_tok_s"), o.get("prompt_tok_s")),
                         "ttft_p50": _ratio(lv["ttft"]["p50"], o["ttft"]["p50"]),
+                        "e2e_p50": _ratio(lv["e2e"]["p50"], o["e2e"]["p50"]),
                         "itl_p50": _ratio(lv["itl"]["p50"], o["itl"]["p50"]),
                         "itl_p99": _ratio(lv["itl"]["p99"], o["itl"]["p99"]),
                         "itl_max": _ratio(lv["itl"]["max"], o["itl"]["max"])})
@@ -55,15 +78,16 @@ def markdown(result: dict) -> str:
     servers = [s for s in result["servers"] if s.get("levels")]
     lines = ["## Serving, side by side", "",
              f"Closed loop, C workers each sending its next request when its last one ends; {cfg['prompts']} "
-             f"distinct English prompts (seed {cfg['seed']}), {cfg['max_tokens']} output tokens each "
+             f"distinct English prompts (seed {cfg['seed']}; {_mix(cfg)}), {cfg['max_tokens']} output tokens each "
              f"(ignore_eos, temperature 0, streamed), /v1/completions; per level "
              + (f"{cfg['warmup'] if cfg['warmup'] is not None else 'C'} warm-up requests excluded, then "
                 f"{cfg['requests'] if cfg['requests'] is not None else 'max(8, 2C)'} measured"
                 if cfg["seconds"] is None else f"warm-up excluded, then {cfg['seconds']:.0f} s measured")
              + ". Times in ms; ratios are the first server's figure over the other's (tok/s: above 1 is "
-               "faster; times: below 1 is faster).", "",
-             "| C | server | out tok/s | TTFT p50 | ITL p50 / p99 / max | max/median gap (worst stream) | errors |",
-             "|---:|---|---:|---:|---:|---:|---:|"]
+               "faster; times: below 1 is faster)." + _goodput_rule(cfg), "",
+             "| C | server | out tok/s | prompt tok/s | TTFT p50 | E2E p50 | ITL p50 / p99 / max | max/median gap "
+             "(worst stream) | goodput | errors |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     by_c: dict[int, list] = {}
     for s in servers:
         for lv in s["levels"]:
@@ -72,14 +96,17 @@ def markdown(result: dict) -> str:
     for c in sorted(by_c):
         for name, lv in by_c[c]:
             it = lv["itl"]
-            lines.append(f"| {c} | {name} | {_x(lv['out_tok_s'], 1)} | {_ms(lv['ttft']['p50'])} | "
+            lines.append(f"| {c} | {name} | {_x(lv['out_tok_s'], 1)} | {_x(lv.get('prompt_tok_s'), 1)} | "
+                         f"{_ms(lv['ttft']['p50'])} | {_ms(lv['e2e']['p50'])} | "
                          f"{_ms(it['p50'], 2)} / {_ms(it['p99'], 2)} / {_ms(it['max'])} | "
-                         f"{_x(lv['gap_ratio']['worst'], 1)} | {lv['errors']} |")
+                         f"{_x(lv['gap_ratio']['worst'], 1)} | {_goodput(lv.get('goodput'))} | {lv['errors']} |")
         for name, _ in by_c[c][1:]:
             r = rat.get((c, name))
             if r:
-                lines.append(f"| {c} | {r['base']} / {name} | {_x(r['out_tok_s'])} | {_x(r['ttft_p50'])} | "
-                             f"{_x(r['itl_p50'])} / {_x(r['itl_p99'])} / {_x(r['itl_max'])} | | |")
+                lines.append(f"| {c} | {r['base']} / {name} | {_x(r['out_tok_s'])} | {_x(r.get('prompt_tok_s'))} | "
+                             f"{_x(r['ttft_p50'])} | {_x(r['e2e_p50'])} | "
+                             f"{_x(r['itl_p50'])} / {_x(r['itl_p99'])} / {_x(r['itl_max'])} "
+                             "| | | |")
     lines += ["", "### Per server and level", "",
               f"Max/median gap: each measured stream's largest gap over its median gap (target at 32 streams: "
               f"at most {GAP_RATIO_TARGET:g}x); worst stream, median stream, and pooled (ITL max / ITL p50). "
@@ -110,6 +137,7 @@ def markdown(result: dict) -> str:
             lines.append(f"| {c} | {name} | {rq['measured']} / {rq['warmup']} / {rq['cooldown']} | {pts} | "
                          f"{_x(lv['output_tokens']['tokens_per_chunk'])} | {_x(g['worst'], 1)} / "
                          f"{_x(g['median'], 1)} / {_x(g['pooled'], 1)} | {' | '.join(cells)} | {comp_s} |")
+    lines += _memory(servers, by_c)
     for s in result["servers"]:
         if s.get("error"):
             lines += ["", f"**{s['name']}** failed: {s['error']}"]
@@ -121,6 +149,26 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+
+
+def _memory(servers: list[dict], by_c: dict) -> list[str]:
+    """Each started server's resident memory (from /proc, once a second): at healthy, its peak
+    in each level, and output tokens/s per GB of that peak. Runs without it: nothing."""
+    if not any(s.get("rss_healthy_bytes") for s in servers):
+        return []
+    lines = ["", "### Memory", "",
+             "Resident memory of each server started by the run (/proc, sampled once a second): at healthy, "
+             "then each level's peak, with the level's output tokens/s per GB of that peak.", "",
+             "| C | server | resident at healthy (GB) | peak in the level (GB) | out tok/s per GB |",
+             "|---:|---|---:|---:|---:|"]
+    for c in sorted(by_c):
+        for name, lv in by_c[c]:
+            server = next(s for s in servers if s["name"] == name)
+            healthy, peak = server.get("rss_healthy_bytes"), lv.get("rss_peak_bytes")
+            per_gb = (lv["out_tok_s"] / (peak / 1e9)) if peak and lv["out_tok_s"] is not None else None
+            lines.append(f"| {c} | {name} | {_x(healthy and healthy / 1e9)} | {_x(peak and peak / 1e9)} | "
+                         f"{_x(per_gb, 1)} |")
+    return lines
 
 
 PAGE_COMMAND = "poot-load serving --page docs/results/serving.md"

@@ -119,6 +119,25 @@ def test_stacked_layers_give_the_op_walks_logits_and_cache_bit_for_bit(pair, dat
     assert np.array_equal(stacked.kv_pool, walked.kv_pool)
 
 
+def test_a_width_of_whole_runs_holds_its_scales_once_and_keeps_the_walks_logits():
+    """At widths a multiple of 512 (every Llama 3.2 matrix) the tiles' lane layout of the block
+    scales is the scales themselves (integer_layout.lane_scales): the stack keeps one array for
+    both, not a copy, and still gives the op walk's logits and cache bit for bit."""
+    wide = synthetic_llama(3, block_coded=True, hidden_size=512, intermediate_size=1024, num_heads=8,
+                           num_kv_heads=2, head_dim=64, num_layers=2)
+    stacked, walked = _driver(wide, True), _driver(wide, False)
+    for role in stacked.stack.roles:
+        codes, d, m, dw, mw = role[:5]
+        assert dw is d and mw is m
+    for product in stacked.stack.products:
+        path = product.path(INTEGER.name)
+        assert all(np.shares_memory(a, b) for a, b in zip(path.scales, path.lane_scales, strict=True))
+    steps = [[(0, list(range(1, 40))), (1, [7, 8])], [(0, [41]), (1, [9])], [(1, [10, 11, 12])]]
+    for a, b in zip(feed_steps(stacked, [0, 1], steps), feed_steps(walked, [0, 1], steps), strict=True):
+        assert np.array_equal(a, b)
+    assert np.array_equal(stacked.kv_pool, walked.kv_pool)
+
+
 def test_a_step_the_stack_does_not_take_walks_the_ops(model, monkeypatch):
     from poot.engine.drivers.cpu.products import Product
 

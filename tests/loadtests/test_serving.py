@@ -74,6 +74,50 @@ def test_level_summary_counts_the_measured_window():
     assert s["prompt_tokens"]["min"] == 40
 
 
+def test_prompt_tokens_and_goodput_over_the_measured_window():
+    # Window 0.11 .. 0.421 as above. Prompts whose first token came in it: the three measured
+    # (40 each) and the cool-down, hung up on without usage (prompt 5's length taken from
+    # request 1's usage of the same prompt index); the warm-ups' first tokens came before.
+    ticks = [0.01 * j for j in range(1, 11)]
+    records = [_rec(0, "warmup", 0.0, ticks), _rec(1, "warmup", 0.0, ticks, prompt=50),
+               _rec(2, "measured", 0.11, ticks), _rec(3, "measured", 0.11, [2.0, 2.01]),
+               _rec(4, "measured", 0.22, ticks[:9] + [0.2]),
+               _rec(5, "cooldown", 0.22, ticks[:5], status="cancelled")]
+    records[5]["prompt_index"] = 1
+    records[3]["chunks"] = [0.05, 0.3]  # TTFT 50 ms, one gap of 250 ms
+    s = closed_loop.level_summary(records, closed_loop.LevelPlan(2, 2, 3, max_tokens=10),
+                                  closed_loop.Goodput(ttft_s=0.02, itl_s=0.02))
+    assert s["prompt_window_tokens"] == 40 + 40 + 40 + 50
+    assert s["prompt_tok_s"] == pytest.approx(170 / s["window_s"])
+    # Request 2 meets both; 3 misses TTFT (and its gap); 4's mean gap is (0.2 - 0.01) / 9 > 20 ms.
+    g = s["goodput"]
+    assert (g["met"], g["of"]) == (1, 3) and g["req_s"] == pytest.approx(1 / s["window_s"])
+    assert closed_loop.level_summary(records, closed_loop.LevelPlan(2, 2, 3, max_tokens=10),
+                                     closed_loop.Goodput(ttft_s=1.0, itl_s=1.0))["goodput"]["met"] == 3
+
+
+def test_goodput_targets_parse_and_refuse_nonsense():
+    assert closed_loop.Goodput.parse("ttft=2500,itl=150") == closed_loop.Goodput(2.5, 0.15)
+    assert closed_loop.Goodput.parse("itl=100") == closed_loop.Goodput(itl_s=0.1)
+    assert closed_loop.Goodput.parse("") == closed_loop.Goodput()
+    for bad in ("ttft", "tpot=5", "ttft=fast", "itl=0", "itl=-3"):
+        with pytest.raises(ValueError, match="--goodput"):
+            closed_loop.Goodput.parse(bad)
+
+
+def test_the_long_mix_draws_prompts_of_its_lengths_and_bad_ranges_are_refused():
+    long = prompt_set(0, 8, 1200, 1400, chars_per_token=1.0)  # in characters: the targets
+    assert all(1190 <= len(p) <= 1400 for p in long)
+    with pytest.raises(ValueError, match="prompt lengths"):
+        prompt_set(0, 8, 1400, 1200)
+    with pytest.raises(ValueError, match="high <="):
+        prompt_set(0, 8, 1200, 100_000)
+    for args in (["--prompt-tokens", "lots"], ["--prompt-tokens", "900-100"], ["--goodput", "ttft=x"]):
+        assert serving.main(["--server", "a=http://127.0.0.1:9", *args]) == 2, args
+    with pytest.raises(SystemExit):
+        serving.main(["--mix", "huge"])
+
+
 def test_metrics_delta_reads_step_histogram_and_compiles():
     b = {"engine_compiles": 11.0, 'engine_step_duration_seconds_count{kind="decode"}': 10.0,
          'engine_step_duration_seconds_sum{kind="decode"}': 0.1,
@@ -90,6 +134,17 @@ def test_metrics_delta_reads_step_histogram_and_compiles():
     assert st["p99_s"] <= 0.05 and d["compiles"] == {"before": 11.0, "after": 11.0}
     assert d["totals"]["engine_steps_total"] == 10
     assert step_metrics.metrics_delta(None, a) == {"available": False}
+
+
+def test_llama_slots_have_room_for_the_mix(monkeypatch):
+    """llama.cpp splits -c over its slots and refuses a request longer than a slot's share:
+    the long mix (1,400-token prompts) needs 2048 a slot where the chat mix fits in 1024."""
+    assert peers.slot_context(392) == 1024 and peers.slot_context(1798) == 2048
+    monkeypatch.setattr(peers, "llama_server_binary", lambda: "/opt/llama-server")
+    monkeypatch.setattr(peers, "vllm_setup", lambda: ("/opt/python", "/opt/smollm2"))
+    targets = peers.default_targets([4, 16], gguf="/m/llama-1b.gguf", request_tokens=1798)
+    assert [t.name for t in targets] == ["poot", "llama"], "vLLM serves SmolLM2's weights only"
+    assert "-m /m/llama-1b.gguf" in targets[1].command and f"-c {2048 * 32}" in targets[1].command
 
 
 def test_server_options():
@@ -150,7 +205,11 @@ def test_two_servers_side_by_side(tmp_path):
     assert data["servers"][1]["extra_body"] == {"cache_prompt": False}
     assert len(set(data["prompt_texts"])) == 64
     md = (tmp_path / "s.md").read_text()
-    assert "| C | server | out tok/s | TTFT p50 | ITL p50 / p99 / max |" in md
+    assert "| C | server | out tok/s | prompt tok/s | TTFT p50 | E2E p50 | ITL p50 / p99 / max |" in md
+    for lv in data["servers"][0]["levels"]:  # every measured request's prompt arrived in the window
+        assert lv["prompt_window_tokens"] >= sum(r["prompt_tokens"] for r in lv["records"] if r["kind"] == "measured")
+        assert lv["goodput"]["of"] == lv["requests"]["measured"]
+    assert all(not s.get("rss_healthy_bytes") for s in data["servers"]), "URLs: no process to read"
     assert md.count("| a / b |") == 2 and "### Per server and level" in md
 
 
@@ -176,6 +235,9 @@ def test_against_the_bundled_server(tmp_path):
         assert m["totals"]["generation_tokens_total"] >= lv["output_tokens"]["total"]
         assert lv["cached_tokens"] == 0  # the request tag keeps the prefix cache out of it
         assert lv["quiet_before"]["ok"] is True
+        assert lv["rss_peak_bytes"] >= 10 << 20  # a Python server's resident set, read from /proc
+    assert poot["rss_healthy_bytes"] >= 10 << 20 and "rss_healthy_bytes" not in data["servers"][1]
+    assert "### Memory" in (tmp_path / "out" / "serving.md").read_text()
     assert (tmp_path / "poot.log").stat().st_size > 0
 
 

@@ -86,7 +86,10 @@ def _stacked(paths: list[IntegerPath]) -> tuple:
 
     codes = stack([p.codes for p in paths])
     d, m = (stack([p.scales[k] for p in paths]) for k in (0, 1))
-    dw, mw = (stack([p.lane_scales[k] for p in paths]) for k in (0, 1))
+    # Where the lane layout is the block scales themselves (integer_layout.lane_scales), the
+    # stack holds them once too.
+    dw, mw = (block if all(p.lane_scales[k] is p.scales[k] for p in paths) else stack([p.lane_scales[k] for p in paths])
+              for k, block in ((0, d), (1, m)))
     colscale = stack([p.colscale for p in paths])
     for layer, p in enumerate(paths):
         p.share(codes[layer], (d[layer], m[layer]), (dw[layer], mw[layer]), colscale[layer])

@@ -154,6 +154,10 @@ class CpuDriver(Driver):
             self.walk = ArrayOps(program, self.weights, self.kv, self.state)
         self._built()
 
+    def warm_up(self) -> None:
+        super().warm_up()
+        host.trim_heap()  # what preparing and warming up freed leaves the resident set
+
     def _prepare_products(self, plan: Plan, model, pool: huge_pages.Zeroing | None) -> None:
         for _ in range(self.runtime.compile()):
             self._built()

@@ -53,3 +53,19 @@ def blas_core() -> str:
                 corename.restype = ctypes.c_char_p
                 return (corename() or b"").decode()
     return ""
+
+
+def trim_heap() -> bool:
+    """Hands the free memory of the C heap back to the system (glibc's malloc_trim): preparing
+    frees large temporaries (the codes' layout, the float32 copies the product choice times),
+    and glibc, having raised its mmap threshold as large blocks came and went, kept them in
+    the heap. At a Llama 3.2 1B shape 0.29 GB of free heap stayed resident after warm-up.
+    False where the C library has no malloc_trim (not glibc)."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim(0)
+    return True
+
