@@ -190,15 +190,22 @@ async def run_level(url: str, model: str, prompts: list[str], plan: LevelPlan, e
 
 
 
+def measured_window(records: list[dict]) -> tuple[float, float] | None:
+    """[first measured send, last measured end], or None when no measured request ended."""
+    measured = [r for r in records if r["kind"] == "measured" and r.get("end") is not None]
+    if not measured:
+        return None
+    return min(r["t_sent"] for r in measured), max(r["t_sent"] + r["end"] for r in measured)
+
+
 def window_throughput(records: list[dict]) -> tuple[float | None, float, float]:
     """(tokens/s, tokens, seconds) over [first measured send, last measured end]: tokens of every
     request (warm-up and cool-down too: they are the load) whose chunks arrived in it, each chunk
     weighted by usage tokens / chunks where usage came back."""
-    measured = [r for r in records if r["kind"] == "measured" and r.get("end") is not None]
-    if not measured:
+    window = measured_window(records)
+    if window is None:
         return None, 0.0, 0.0
-    t_start = min(r["t_sent"] for r in measured)
-    t_end = max(r["t_sent"] + r["end"] for r in measured)
+    t_start, t_end = window
     tokens = 0.0
     for r in records:
         chunks = r.get("chunks") or []
@@ -215,11 +222,10 @@ def window_prompt_tokens(records: list[dict]) -> tuple[float | None, int]:
     every request whose first token arrived in it (its prefill ended there). A request hung up
     on before its usage came back counts its prompt's length from another request's usage
     (the tag before it differs by a digit at most), or not at all where none reported it."""
-    measured = [r for r in records if r["kind"] == "measured" and r.get("end") is not None]
-    if not measured:
+    window = measured_window(records)
+    if window is None:
         return None, 0
-    t_start = min(r["t_sent"] for r in measured)
-    t_end = max(r["t_sent"] + r["end"] for r in measured)
+    t_start, t_end = window
     known = {r["prompt_index"]: r["prompt_tokens"] for r in records if r.get("prompt_tokens") is not None}
     tokens = 0
     for r in records:
