@@ -87,12 +87,10 @@ class Engine:
         self.model = model
         self.driver = driver
         self.plan = plan
-        if draft_policy is not None:
-            driver.draft_policy = draft_policy  # the driver owns its draft policy; the loop only asks it
         self.pool = BlockPool(plan.num_blocks)
         # Every family gets a prefix cache; a recurrent one registers nothing, and says so.
         self.prefix_cache = prefix_cache(self.pool, plan, model.name)
-        self.scheduler = scheduler(plan, self.pool, self.prefix_cache)
+        self.scheduler = scheduler(plan, self.pool, self.prefix_cache, draft_policy=draft_policy)
         self.stop_checker = stop_checker
         self.random_stream = random_stream
         self.picker = Picker(model.tokenizer.eos_token_ids)
@@ -133,8 +131,8 @@ class Engine:
         driver.prepare(plan, model)
         if products := driver.product_choice():  # measured while preparing: published with the plan
             chosen, measured_at = driver.product_choice_origin()
-            plan = driver.plan = replace(plan, products=products, products_chosen=chosen,
-                                         products_measured_at=measured_at)
+            # The engine publishes it beside the plan; the driver's plan stays the one it was given.
+            plan = replace(plan, products=products, products_chosen=chosen, products_measured_at=measured_at)
         driver.warm_up()
         draft_policy = None
         if draft and draft != "none":
@@ -146,7 +144,7 @@ class Engine:
 
     @property
     def draft_policy(self):
-        return self.driver.draft_policy
+        return self.scheduler.draft_policy
 
     # ---- the owner's side (any thread) -------------------------------------------------
 
@@ -367,7 +365,7 @@ class Engine:
 
     # phase 4
     def _step(self) -> tuple[list[Scheduled], StepOutput | None]:
-        scheduled = self.scheduler.schedule(self.driver.draft_policy)
+        scheduled = self.scheduler.schedule()
         if not scheduled:
             return [], None
         for s in scheduled:  # rows that need nothing but the sampler may be picked by the driver

@@ -35,10 +35,14 @@ class Scheduled:
 
 
 class Scheduler:
-    def __init__(self, plan: Plan, pool: BlockPool, prefix_cache: PrefixCache):
+    def __init__(self, plan: Plan, pool: BlockPool, prefix_cache: PrefixCache, draft_policy=None):
+        """`draft_policy` (engine/speculative.py): asked for each decoding row's drafts when a
+        step is scheduled; None decodes one token a row a step. Verifying the drafts is the
+        picking's, not the scheduler's."""
         self.plan = plan
         self.pool = pool
         self.prefix_cache = prefix_cache
+        self.draft_policy = draft_policy
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.free_rows: list[int] = list(range(plan.rows - 1, -1, -1))
@@ -87,13 +91,13 @@ class Scheduler:
         return True
 
     # phase 4: what each row computes in this step, within the token budget
-    def schedule(self, draft_policy=None) -> list[Scheduled]:
+    def schedule(self) -> list[Scheduled]:
         steps: list[Scheduled] = []
         decoding = self.decoding_rows()
         budget = self.plan.step_budget(len(decoding))
         room = max(0, budget - len(decoding))  # every decoding row gets its token first
         for seq in decoding:
-            drafts = draft_policy.propose(seq, room, len(decoding)) if draft_policy else []
+            drafts = self.draft_policy.propose(seq, room, len(decoding)) if self.draft_policy else []
             # Within the budget, and a round commits at most max_tokens - len(output) tokens
             # (drafts + 1), which also keeps it inside the positions reserved at open.
             drafts = list(drafts[: max(0, min(room, seq.params.max_tokens - len(seq.output) - 1))])

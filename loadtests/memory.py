@@ -1,13 +1,14 @@
 """A server's resident memory over a run: sampled from /proc or /metrics, with its slope.
 
-The source is /proc/PID/status (VmRSS) when the run started the server and knows its process,
-else `process_resident_memory_bytes` on the server's /metrics (prometheus_client's process
+The source is /proc/PID/status (VmRSS, of the process and every process below it) when the
+run started the server and knows its process, else `process_resident_memory_bytes` on the server's /metrics (prometheus_client's process
 collector, which poot-serve registers). The slope is the least-squares line through the
 samples after warm-up, in MB (10^6 bytes) per minute.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -27,6 +28,44 @@ def proc_rss_bytes(pid: int) -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+def descendants(pid: int) -> list[int]:
+    """The live processes below `pid` (its children, theirs, ...), from /proc; [] where it
+    cannot be read."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as f:
+                stat = f.read()
+            # The name, in parentheses, may hold spaces and parentheses itself: the parent's
+            # pid is the second field after its last closing one.
+            parent = int(stat[stat.rindex(")") + 2 :].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+        children.setdefault(parent, []).append(int(entry))
+    found, todo = [], list(children.get(pid, ()))
+    while todo:
+        child = todo.pop()
+        found.append(child)
+        todo.extend(children.get(child, ()))
+    return found
+
+
+def tree_rss_bytes(pid: int) -> int | None:
+    """VmRSS of a live process and every process below it, summed: a server that runs its
+    engine in a process of its own (vLLM's engine core) holds its memory there. Pages two of
+    them share count in each. None when the process itself cannot be read."""
+    own = proc_rss_bytes(pid)
+    if own is None:
+        return None
+    return own + sum(v for child in descendants(pid) if (v := proc_rss_bytes(child)) is not None)
 
 
 def metrics_rss_bytes(url: str, api_key: str | None = None) -> int | None:
@@ -56,7 +95,7 @@ class RssSampler:
 
     def read(self) -> int | None:
         if self.pid is not None:
-            v = proc_rss_bytes(self.pid)
+            v = tree_rss_bytes(self.pid)
             if v is not None:
                 self.source = "proc"
                 return v

@@ -126,12 +126,23 @@ def slot_context(request_tokens: int) -> int:
     return max(1024, -(-request_tokens // 256) * 256)
 
 
+def vllm_target(python: Path, model: Path, levels: list[int], served_name: str | None = None,
+                dtype: str = "float32") -> Target:
+    """vLLM's CPU build serving the Hugging Face folder `model` (4 GB of KV cache)."""
+    name = f"--served-model-name {shlex.quote(served_name)} " if served_name else ""
+    return Target("vllm", command=f"env VLLM_CPU_KVCACHE_SPACE=4 {shlex.quote(str(python))} -m "
+                  f"vllm.entrypoints.openai.api_server --model {shlex.quote(str(model))} "
+                  f"{name}--host 127.0.0.1 --port {{port}} "
+                  f"--dtype {dtype} --max-model-len 4096 --max-num-seqs {max(32, max(levels))}")
+
+
 def default_targets(levels: list[int], poot: Target | None = None, gguf: str | None = None,
-                    request_tokens: int = 1024) -> list[Target]:
+                    request_tokens: int = 1024, vllm_model: str | None = None) -> list[Target]:
     """poot-serve (`poot`, else on its default model), then llama-server on the same GGUF
     (`gguf`, else the default model's) when it is built, each slot with room for requests of
-    `request_tokens`, and vLLM's CPU build on SmolLM2's weights when ci/setup_vllm.sh has set
-    it up and the model is the default one."""
+    `request_tokens`, and vLLM's CPU build where ci/setup_vllm.sh has set it up: on SmolLM2's
+    weights when the model is the default one, else on `vllm_model` (the same weights as a
+    Hugging Face folder: benchmarks/llama_gguf.py --safetensors), or not at all."""
     targets = [poot if poot is not None else poot_target()]
     binary, model_file = llama_server_binary(), gguf or default_gguf()
     if binary is not None and model_file is not None:
@@ -140,12 +151,13 @@ def default_targets(levels: list[int], poot: Target | None = None, gguf: str | N
         targets.append(Target("llama", command=f"{shlex.quote(str(binary))} -m {shlex.quote(str(model_file))} "
                               f"--host 127.0.0.1 --port {{port}} -t {threads} --parallel {slots} "
                               f"-c {slot_context(request_tokens) * slots} --metrics"))
-    if gguf is None and (found := vllm_setup()) is not None:
-        python, model = found
-        targets.append(Target("vllm", command=f"env VLLM_CPU_KVCACHE_SPACE=4 {shlex.quote(str(python))} -m "
-                              f"vllm.entrypoints.openai.api_server --model {shlex.quote(str(model))} "
-                              "--served-model-name SmolLM2-135M-Instruct --host 127.0.0.1 --port {port} "
-                              f"--dtype float32 --max-model-len 4096 --max-num-seqs {max(32, max(levels))}"))
+    found = vllm_setup()
+    if found is not None and gguf is None:
+        targets.append(vllm_target(found[0], found[1], levels, "SmolLM2-135M-Instruct"))
+    elif found is not None and vllm_model is not None:
+        # bfloat16: vLLM's CPU build computes there on AVX-512 BF16 (its fastest path); at 1B its
+        # float32 weights would be 4.3 GB read a step.
+        targets.append(vllm_target(found[0], Path(vllm_model), levels, dtype="bfloat16"))
     return targets
 
 

@@ -54,6 +54,7 @@ from poot.loadtests.peers import (
     poot_target,
     report_kind,
     server_kind,
+    vllm_setup,
     wait_quiet,
 )
 from poot.loadtests.server_proc import CommandServer
@@ -134,6 +135,9 @@ def _parser() -> argparse.ArgumentParser:
                    "beside them, first; without either it is measured anyway)")
     p.add_argument("--serve-model", help="the model poot-serve loads (default: its own default, SmolLM2)")
     p.add_argument("--serve-args", default="", help="extra poot-serve options, e.g. '--draft ngram'")
+    p.add_argument("--vllm-model", metavar="DIR", help="with --serve-model FILE.gguf: the same weights as a Hugging "
+                   "Face folder (benchmarks/llama_gguf.py --safetensors), for vLLM's CPU build when "
+                   "ci/setup_vllm.sh has set it up")
     p.add_argument("--server", action="append", default=[], metavar="NAME=CMD|URL",
                    help="a server: a command line with {port}, or http(s)://URL; repeat for more (default: "
                         "poot-serve on its default model, and llama-server on the same GGUF when it is built)")
@@ -209,7 +213,15 @@ def main(argv: list[str] | None = None) -> int:
         # Room for the longest prompt (the tag and a tokenizer that splits finer: 25% more) and its output.
         request_tokens = int(hi * 1.25) + 16 + a.max_tokens
         gguf = a.serve_model if a.serve_model and a.serve_model.endswith(".gguf") else None
-        targets = parse_targets(given) if given else default_targets(levels, poot, gguf, request_tokens)
+        if a.vllm_model is not None:
+            if gguf is None:
+                raise ValueError("--vllm-model: give --serve-model FILE.gguf too (the folder holds its weights)")
+            if not (Path(a.vllm_model) / "config.json").is_file():
+                raise ValueError(f"--vllm-model {a.vllm_model}: no config.json there "
+                                 "(write one with benchmarks/llama_gguf.py --safetensors)")
+            if vllm_setup() is None:
+                raise ValueError("--vllm-model: vLLM's CPU build is not set up here (run ci/setup_vllm.sh)")
+        targets = parse_targets(given) if given else default_targets(levels, poot, gguf, request_tokens, a.vllm_model)
         if a.serve and given:
             if any(t.name == poot.name for t in targets):
                 raise ValueError(f"--serve: a --server is named {poot.name!r} already")

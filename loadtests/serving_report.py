@@ -157,7 +157,8 @@ def _memory(servers: list[dict], by_c: dict) -> list[str]:
     if not any(s.get("rss_healthy_bytes") for s in servers):
         return []
     lines = ["", "### Memory", "",
-             "Resident memory of each server started by the run (/proc, sampled once a second): at healthy, "
+             "Resident memory of each server started by the run, its processes together (/proc, sampled once a "
+             "second): at healthy, "
              "then each level's peak, with the level's output tokens/s per GB of that peak.", "",
              "| C | server | resident at healthy (GB) | peak in the level (GB) | out tok/s per GB |",
              "|---:|---|---:|---:|---:|"]

@@ -78,9 +78,6 @@ class Driver(ABC):
     def __init__(self) -> None:
         self.compiles = 0
         self.device_picks = True  # False: every row's logits come back, and the engine picks
-        # Speculative decoding (engine/speculative.py): the scheduler asks this policy for each
-        # decoding row's drafts; None decodes one token per row per step.
-        self.draft_policy = None
         self.plan: Plan | None = None
         self.armed = ArmedFailure()  # behind --fault-injection: what the next step must do
         self.open_rows: dict[int, list[int]] = {}

@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -53,6 +55,8 @@ def test_a_second_start_reads_the_choice_names_the_same_paths_and_gives_the_same
     cache = ChoiceCache(tmp_path)
     first = engine(model, cache)
     assert first.plan.products and first.plan.products_chosen == "measured" and first.plan.products_measured_at
+    # The engine publishes the choice beside the plan; the driver's plan is the one it was given.
+    assert first.driver.plan == replace(first.plan, products=(), products_chosen="", products_measured_at="")
     assert len(list(tmp_path.glob("*.json"))) == 1
     second = engine(model, cache)
     assert second.plan.products_chosen == "cached"
@@ -274,3 +278,43 @@ def test_a_measurement_copies_one_matrix_a_shape_and_the_rest_only_where_a_copy_
             if float_wins and p.table[-1][1] in copies and shape[1] == x.shape[0]:
                 np.testing.assert_allclose(p.run(x, path=p.table[-1][1]), p.run(x, path=p.table[0][1]),
                                            rtol=1e-4, atol=1e-4)
+
+
+def test_layouts_made_side_by_side_are_the_ones_made_one_at_a_time(model, tmp_path, monkeypatch):
+    """A kept choice's products are laid out on several threads while the block kernels load:
+    the same products, in the same order, giving the same results as laid out one by one."""
+    first = products_of(model, tmp_path)  # measured and kept
+    # A choice of paths without float32 copies (those are packed one at a time): each shape's
+    # first path, as a kept choice of the integer path at every count names.
+    (kept,) = tmp_path.glob("*.json")
+    data = json.loads(kept.read_text())
+    for c, product in zip(data["choices"], first.choices, strict=True):
+        c["table"] = [[c["table"][-1][0], next(p for p in first.on_codes() if p.shape == product.shape).path_for(1)]]
+    kept.write_text(json.dumps(data))
+    monkeypatch.setattr(model_products, "layout_workers", lambda: 1)
+    alone = products_of(model, tmp_path)
+    threads, pools = [], []
+    real, real_pool = model_products.coded_product, model_products.ThreadPoolExecutor
+
+    def spy(codes, colscale, runtime, names=None, head=False):
+        threads.append(threading.current_thread().name)
+        return real(codes, colscale, runtime, names, head)
+
+    def pool_spy(workers, **kwargs):
+        pools.append(workers)
+        return real_pool(workers, **kwargs)
+
+    monkeypatch.setattr(model_products, "coded_product", spy)
+    monkeypatch.setattr(model_products, "ThreadPoolExecutor", pool_spy)
+    monkeypatch.setattr(model_products, "layout_workers", lambda: 4)
+    beside = products_of(model, tmp_path)
+    assert not alone.measured_now and not beside.measured_now
+    assert pools == [4] and threads and all(name.startswith("poot-layout") for name in threads), (pools, threads)
+    assert list(alone._products) == list(beside._products)
+    rng = np.random.default_rng(0)
+    for name in alone._products:
+        a, b = alone[name], beside[name]
+        assert a.paths == b.paths and a.table == b.table
+        x = rng.standard_normal((a.shape[1], 5)).astype(np.float32)
+        for path in a.paths:
+            assert np.array_equal(a.run(x, path=path), b.run(x, path=path)), (name, path)

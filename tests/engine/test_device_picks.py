@@ -58,7 +58,7 @@ def test_only_rows_that_need_nothing_but_the_sampler_are_marked():
 
 def test_a_verifying_row_is_marked_with_its_first_positions_counter():
     engine = make_engine(draft=None)
-    engine.driver.draft_policy = make_draft_policy("ngram", min_ngram=1, full_rows=64)
+    engine.scheduler.draft_policy = make_draft_policy("ngram", min_ngram=1, full_rows=64)
     params = SamplingParams(max_tokens=20, temperature=0.7, seed=5, ignore_eos=True)
     (rows,) = marks(engine, [("ab ab ab ab ab ab", params)])
     assert any(n > 1 for _, n, _ in rows)
@@ -94,7 +94,7 @@ def test_a_steps_picked_field_names_the_rows_that_got_token_ids():
     rows' logit indices hold token ids, the others' logits are the host rows, in batch order.
     A mid-prefill row (no logits) is never picked, whatever its mark."""
     engine = make_engine(draft=None)
-    engine.driver.draft_policy = make_draft_policy("ngram", min_ngram=1, full_rows=64)
+    engine.scheduler.draft_policy = make_draft_policy("ngram", min_ngram=1, full_rows=64)
     inner, seen = engine.driver.step, []
 
     def step(batch):

@@ -106,7 +106,7 @@ def test_accepted_drafts_are_picked_under_the_grammar():
     for draft in (None, "ngram"):
         engine = make_engine()
         if draft:
-            engine.driver.draft_policy = make_draft_policy(draft)
+            engine.scheduler.draft_policy = make_draft_policy(draft)
         [rec] = submit_with(engine, "abcabcabc abcabc", greedy(MAX_TOKENS), schema)
         run_until_idle(engine)
         assert_matches(rec, schema)

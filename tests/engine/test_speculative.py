@@ -46,7 +46,7 @@ class CheckingDriver(CpuDriver):
 def engine_with(policy: DraftPolicy | None, seed: int = 0) -> Engine:
     driver = CheckingDriver(memory_bytes=1 << 30)
     engine = Engine.create(synthetic_llama(seed), driver=driver)
-    driver.draft_policy = policy
+    engine.scheduler.draft_policy = policy
     driver.engine = engine
     return engine
 
@@ -214,15 +214,16 @@ def test_ngram_policy_counts_a_mostly_rejected_round_as_a_miss():
     assert at(10)  # 4 of 8 accepted: enough, no wait
 
 
-def test_make_draft_policy_and_the_driver_owns_it():
+def test_make_draft_policy_and_the_scheduler_owns_it():
     assert isinstance(make_draft_policy("ngram"), NgramPolicy)
     with pytest.raises(ValueError, match="unknown draft policy"):
         make_draft_policy("eagle")
     engine = make_engine(draft="ngram")
-    assert isinstance(engine.driver.draft_policy, NgramPolicy)
-    assert engine.draft_policy is engine.driver.draft_policy
-    assert make_engine(draft="none").driver.draft_policy is None
-    assert make_engine().driver.draft_policy is None  # off by default
+    assert isinstance(engine.scheduler.draft_policy, NgramPolicy)
+    assert engine.draft_policy is engine.scheduler.draft_policy
+    assert not hasattr(engine.driver, "draft_policy"), "nothing of the policy's reaches the driver"
+    assert make_engine(draft="none").scheduler.draft_policy is None
+    assert make_engine().scheduler.draft_policy is None  # off by default
 
 
 # ---- greedy: identical to plain decoding ---------------------------------------------------
@@ -253,7 +254,7 @@ params_st = st.builds(
 def test_speculative_greedy_output_equals_plain_greedy_output(requests):
     plain = [outcome(r) for r in run(_engine("plain"), requests)]
     oracle = _engine("oracle")
-    oracle.driver.draft_policy.reference = {
+    oracle.scheduler.draft_policy.reference = {
         tuple(oracle.model.encode_prompt(p)): out[0] for (p, _), out in zip(requests, plain, strict=True)}
     for name in ("ngram", "oracle"):
         got = [outcome(r) for r in run(_engine(name), requests)]

@@ -143,8 +143,22 @@ def test_llama_slots_have_room_for_the_mix(monkeypatch):
     monkeypatch.setattr(peers, "llama_server_binary", lambda: "/opt/llama-server")
     monkeypatch.setattr(peers, "vllm_setup", lambda: ("/opt/python", "/opt/smollm2"))
     targets = peers.default_targets([4, 16], gguf="/m/llama-1b.gguf", request_tokens=1798)
-    assert [t.name for t in targets] == ["poot", "llama"], "vLLM serves SmolLM2's weights only"
+    assert [t.name for t in targets] == ["poot", "llama"], "vLLM has no folder of this GGUF's weights"
     assert "-m /m/llama-1b.gguf" in targets[1].command and f"-c {2048 * 32}" in targets[1].command
+    targets = peers.default_targets([4, 16], gguf="/m/llama-1b.gguf", request_tokens=1798, vllm_model="/m/llama-1b-hf")
+    assert [t.name for t in targets] == ["poot", "llama", "vllm"]
+    assert "--model /m/llama-1b-hf " in targets[2].command and "--dtype bfloat16" in targets[2].command
+    assert "--served-model-name" not in targets[2].command  # the folder's own name, as /v1/models says
+    smollm2 = peers.default_targets([1, 8])[-1]
+    assert "--model /opt/smollm2 " in smollm2.command and "--dtype float32" in smollm2.command
+    assert "--served-model-name SmolLM2-135M-Instruct" in smollm2.command
+
+
+def test_vllm_model_needs_a_gguf_and_a_folder(tmp_path, capsys):
+    assert serving.main(["--vllm-model", str(tmp_path)]) == 2
+    assert "--serve-model FILE.gguf" in capsys.readouterr().err
+    assert serving.main(["--serve-model", "/m/x.gguf", "--vllm-model", str(tmp_path)]) == 2
+    assert "no config.json" in capsys.readouterr().err
 
 
 def test_server_options():

@@ -10,6 +10,8 @@ hour-scale run is documented in loadtests/README.md.
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -69,3 +71,30 @@ def test_short_soak_against_bundled_server(tmp_path):
     assert "## Server resident memory" in (out / "report.md").read_text()
     # The scrape carries the server's own RSS too (its process collector).
     assert "process_resident_memory_bytes" in (out / "server_metrics.csv").read_text().splitlines()[0]
+
+
+def test_a_servers_memory_counts_the_processes_it_started():
+    """vLLM runs its engine in a child process: the server's memory is the tree's. A child that
+    holds 200 MB shows in its parent's tree and not in the parent alone."""
+    if not os.path.exists("/proc/self/stat"):
+        pytest.skip("no /proc here")
+    script = ("import subprocess, sys, time\n"
+              "child = subprocess.Popen([sys.executable, '-c', "
+              "'import time; b = b\\'x\\' * 200_000_000; print(1, flush=True); time.sleep(60)'], "
+              "stdout=subprocess.PIPE)\n"
+              "child.stdout.readline(); print(child.pid, flush=True); time.sleep(60)\n")
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(parent.stdout.readline())
+        assert memory.descendants(parent.pid) == [child]
+        alone, tree = memory.proc_rss_bytes(parent.pid), memory.tree_rss_bytes(parent.pid)
+        # Sleeping processes: their RSS holds still between the reads, to within a few pages.
+        assert tree - alone == pytest.approx(memory.proc_rss_bytes(child), abs=2e6) and tree - alone > 200e6
+        sampler = memory.RssSampler(pid=parent.pid, interval=60)
+        assert sampler.sample() > alone + 200e6 and sampler.source == "proc"
+    finally:
+        for pid in memory.descendants(parent.pid):
+            os.kill(pid, 9)
+        parent.kill()
+        parent.wait()
+    assert memory.tree_rss_bytes(parent.pid) is None

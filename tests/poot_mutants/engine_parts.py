@@ -204,8 +204,8 @@ class FollowsGrownTables(CpuDriver):
 class PrefillOnlySteps(Scheduler):
     """A step that prefills leaves the decoding rows out."""
 
-    def schedule(self, draft_policy=None):
-        steps = super().schedule(draft_policy)
+    def schedule(self):
+        steps = super().schedule()
         prefill = [s for s in steps if s.seq.prefilling]
         return prefill or steps
 
