@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from poot.engine.drivers.base import RowWork
+from poot.engine.drivers.base import RowWork, StepPlan
 from tests.engine.harness import greedy, make_engine, run_until_idle, submit
 
 ROWS = [1, 2, 4, 8, 16, 32]
@@ -25,7 +25,7 @@ def decode_batch(engine, rows):
     batch = []
     for r in range(rows):
         table = list(range(r * per_row, (r + 1) * per_row))
-        engine.driver.open_row(r, table)
+        engine.driver.step(StepPlan.opening({r: table}))
         batch.append(RowWork(r, np.array([65 + r % 26], np.int32), CONTEXT, table, 1))
     return batch
 
@@ -45,10 +45,10 @@ def test_decode_step(benchmark, engine, rows):
 
 def _mean_step(engine, rows, repeats=30):
     batch = decode_batch(engine, rows)
-    engine.driver.step(batch)
+    engine.driver.step(StepPlan(batch))
     t = time.perf_counter()
     for _ in range(repeats):
-        engine.driver.step(batch)
+        engine.driver.step(StepPlan(batch))
     return (time.perf_counter() - t) / repeats
 
 

@@ -75,7 +75,7 @@ def run(args) -> dict:
     from poot.engine.drivers import make_driver
     from poot.engine.models import load_model
     from poot.engine.plan import fit_plan
-    from poot.engine.step import RowWork
+    from poot.engine.step import RowWork, StepPlan
 
     model = load_model(None if args.model == "default" else args.model)
     driver = make_driver(args.backend)
@@ -94,11 +94,11 @@ def run(args) -> dict:
     tables = [list(range(r * per_row, (r + 1) * per_row)) for r in range(counts[-1])]
     t = time.perf_counter()
     for r, table in enumerate(tables):  # a real prefill writes each row's context
-        driver.open_row(r, table)
+        driver.step(StepPlan.opening({r: table}))
         prompt = rng.integers(100, config.vocab_size, context).astype(np.int32)
         for start in range(0, context, plan.max_step_tokens):
             piece = prompt[start : start + plan.max_step_tokens]
-            driver.step([RowWork(r, piece, start, table, int(start + len(piece) == context))])
+            driver.step(StepPlan([RowWork(r, piece, start, table, int(start + len(piece) == context))]))
     fill_s = time.perf_counter() - t
     bw, where = bandwidth(args.backend)
     weights = streamed_weight_bytes(driver, model)
@@ -108,8 +108,8 @@ def run(args) -> dict:
     for rows in counts:
         batch = [RowWork(r, rng.integers(100, config.vocab_size, 1).astype(np.int32), context, tables[r], 1)
                  for r in range(rows)]
-        driver.step(batch)  # the first step of a shape is not timed
-        times = [_time(lambda b=batch: driver.step(b)) for _ in range(args.steps)]
+        driver.step(StepPlan(batch))  # the first step of a shape is not timed
+        times = [_time(lambda b=batch: driver.step(StepPlan(b))) for _ in range(args.steps)]
         step = statistics.median(times)
         bound = (weights + rows * (context + 1) * kv_per_token) / bw
         rows_out.append(dict(rows=rows, step_ms=step * 1e3, best_ms=min(times) * 1e3, bound_ms=bound * 1e3,

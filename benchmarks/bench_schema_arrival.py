@@ -1,7 +1,7 @@
 """What running streams feel when a schema slow to compile arrives.
 
 Starts poot-serve (or takes --base-url), runs N plain streams (greedy, ignore_eos), and while
-they run sends a streamed chat whose json_schema is documents.slow_schema (about 520 KB, a new
+they run sends a streamed chat whose json_schema is documents.slow_schema (about 750 KB, a new
 one each time). For each try it prints the running streams' median gap between tokens, their
 longest gap while the slow request was in the server, the longest gap of the same streams
 over as long a window with nothing arriving, and how long the slow request took to its

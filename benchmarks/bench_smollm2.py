@@ -164,7 +164,7 @@ class Bench:
     def prefill(self, tokens: np.ndarray, table: list[int], chunk: int | None = None):
         """Feeds a prompt in chunks of the plan's token budget, as the engine would, or in
         chunks of `chunk` tokens (the plan's budget widened for the measurement)."""
-        from poot.engine.drivers.base import RowWork
+        from poot.engine.drivers.base import RowWork, StepPlan
 
         plan = self.plan
         budget = chunk or plan.max_step_tokens
@@ -172,11 +172,11 @@ class Bench:
             self.driver.plan = dataclasses.replace(plan, token_budget=budget, idle_token_budget=budget)
         try:
             out = None
-            self.driver.open_row(0, table)
+            self.driver.step(StepPlan.opening({0: table}))
             for start in range(0, len(tokens), budget):
                 piece = tokens[start : start + budget]
                 last = start + len(piece) == len(tokens)
-                out = self.driver.step([RowWork(0, piece, start, table, 1 if last else 0)])
+                out = self.driver.step(StepPlan([RowWork(0, piece, start, table, 1 if last else 0)]))
             return out
         finally:
             self.driver.plan = plan
@@ -189,12 +189,12 @@ class Bench:
             self.tables.append(table)
 
     def decode_batch(self, rows: int):
-        from poot.engine.drivers.base import RowWork
+        """A step plan of one decoding token on each of `rows` rows, opened here."""
+        from poot.engine.drivers.base import RowWork, StepPlan
 
         self.fill_rows(rows)
-        for r in range(rows):
-            self.driver.open_row(r, self.tables[r])
-        return [RowWork(r, self._tokens(1), self.context, self.tables[r], 1) for r in range(rows)]
+        self.driver.step(StepPlan.opening({r: self.tables[r] for r in range(rows)}))
+        return StepPlan([RowWork(r, self._tokens(1), self.context, self.tables[r], 1) for r in range(rows)])
 
     def products(self, tokens: int, logits: int):
         """The step's weight products alone, as the driver computes them (its few-token kernel,

@@ -32,7 +32,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from poot.engine import SamplingParams, sampler
-    from poot.engine.drivers.base import Pick, RowWork
+    from poot.engine.drivers.base import Pick, RowWork, StepPlan
     from poot.engine.drivers.wgpu_driver import WgpuDriver
     from poot.engine.models import load_model
     from poot.engine.plan import fit_plan
@@ -51,10 +51,10 @@ def main(argv=None) -> int:
     per_row = 0 if getattr(model.config, "recurrent", False) else plan.blocks_for(args.context + 1)  # Mamba: no KV
     tables = [list(range(r * per_row, (r + 1) * per_row)) for r in range(max(args.rows))]
     for r, table in enumerate(tables):
-        driver.open_row(r, table)
+        driver.step(StepPlan.opening({r: table}))
         for start in range(0, args.context, plan.max_step_tokens):
             n = min(plan.max_step_tokens, args.context - start)
-            driver.step([RowWork(r, rng.integers(0, 200, n).astype(np.int32), start, table, 0)])
+            driver.step(StepPlan([RowWork(r, rng.integers(0, 200, n).astype(np.int32), start, table, 0)]))
 
     greedy = SamplingParams(temperature=0.0)
     picks = {"host": None, "greedy": greedy,
@@ -66,11 +66,11 @@ def main(argv=None) -> int:
         small machine lands on all of them alike."""
         times = {name: ([], []) for name in batches}
         for batch in batches.values():
-            driver.step(batch)
+            driver.step(StepPlan(batch))
         for _ in range(args.repeats):
             for name, batch in batches.items():
                 t = time.perf_counter()
-                out = driver.step(batch)
+                out = driver.step(StepPlan(batch))
                 times[name][0].append(time.perf_counter() - t)
                 t = time.perf_counter()
                 if out.token_ids is None:

@@ -31,10 +31,11 @@ from .plan import Plan, fit_plan
 from .prefix_cache import PrefixCache
 from .progress import Progress
 from .random_stream import RandomStream, random_stream
+from .row_changes import RowChanges
 from .scheduler import Scheduled, Scheduler
 from .sequence import Sequence
 from .speculative import make_draft_policy
-from .step import DeviceFault, RowWork, StepOutput, StepRefused
+from .step import DeviceFault, RowWork, StepOutput, StepPlan, StepRefused
 from .step_times import StepTimes, kind_of
 from .step_tokens import StepTokens
 from .stops import StopChecker
@@ -94,6 +95,7 @@ class Engine:
         self.stop_checker = stop_checker
         self.random_stream = random_stream
         self.picker = Picker(model.tokenizer.eos_token_ids)
+        self.row_changes = RowChanges()  # rows taken and left that the next step plan tells the driver
         self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
         self._ids = itertools.count(1)
         self._in_flight: dict[int, Sequence | _Job] = {}
@@ -359,7 +361,7 @@ class Engine:
         for seq in self.scheduler.open_waiting():
             seq.opened_at = now
             seq.num_cached = seq.num_computed  # a prefix-cache hit starts past its cached blocks
-            self.driver.open_row(seq.row, seq.block_table)  # fixed until the row closes
+            self.row_changes.open(seq.row, seq.block_table)  # fixed until the row closes
             self.counters["prefix_queried_tokens"] += len(seq.prompt)
             self.counters["prefix_hit_tokens"] += seq.num_cached
 
@@ -367,15 +369,20 @@ class Engine:
     def _step(self) -> tuple[list[Scheduled], StepOutput | None]:
         scheduled = self.scheduler.schedule()
         if not scheduled:
+            if self.row_changes:  # rows left with nothing to step: the driver hears of it now
+                self.driver.step(StepPlan((), *self.row_changes.pending()))
+                self.row_changes.delivered()
             return [], None
-        for s in scheduled:  # rows that need nothing but the sampler may be picked by the driver
-            s.work.pick = self.picker.device_pick(s.seq) if s.work.num_logits else None
+        # Rows that need nothing but the sampler may be picked by the driver.
+        rows = tuple(replace(s.work, pick=self.picker.device_pick(s.seq)) if s.work.num_logits else s.work
+                     for s in scheduled)
         began = time.perf_counter()
         try:
-            out = self.driver.step([s.work for s in scheduled])
+            out = self.driver.step(StepPlan(rows, *self.row_changes.pending()))
         except StepRefused as e:
-            self.on_step_refused(scheduled, e)
+            self.on_step_refused(scheduled, e)  # the plan's opens and closes are told again next time
             return [], None
+        self.row_changes.delivered()
         self._device_s = time.perf_counter() - began
         self.counters["steps"] += 1
         self.step_tokens.observe(sum(len(s.work.tokens) for s in scheduled),
@@ -486,7 +493,7 @@ class Engine:
         # A request that ended normally releases what it held back; a stop string was cut already.
         tail = seq.stops.flush() if reason in ("stop", "length") else ""
         if seq.row >= 0:
-            self.driver.close_row(seq.row)
+            self.row_changes.close(seq.row)
         registered = self.scheduler.release(seq)
         if registered is None:  # a recurrent family: its blocks would hold none of its state
             self.counters["prefix_skipped_releases"] += 1

@@ -8,7 +8,7 @@ Conventions every op below uses:
   them: tokens (T,), positions (T,), kv_slots (T,) (block * block_size + offset), the row of
   each token, each row's first token and token count (a row's tokens are contiguous and in
   position order, each row once), and logit_idx (L,). Each open row's block table (its
-  physical KV blocks for positions 0.., fixed from open_row to close_row) is the driver's.
+  physical KV blocks for positions 0.., fixed from the plan that opens the row to the one that closes it) is the driver's.
 - Activation buffers: `Program.widths[name]` features per token, float32, read as (T, width)
   token-major, element [t, f] (final_norm's and head's outputs have L rows instead of T).
   A driver may store a buffer in any layout (the CPU driver keeps (width, T); a GPU driver

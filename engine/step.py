@@ -1,8 +1,9 @@
-"""One step as the engine hands it to a driver and gets it back: each row's share of the
-step (`RowWork`), the flat arrays a device uploads (`StepArrays`), how a logit index may be
-picked on the device (`Pick`, `pick_words`), what a step returns (`StepOutput`), and the two
-ways a step fails (`StepRefused`, `DeviceFault`). Neutral ground: the engine's loop and the
-drivers both import it, and it imports neither.
+"""One step as the engine hands it to a driver and gets it back: the whole step, rows taken
+and left included (`StepPlan`), each row's share of it (`RowWork`), the flat arrays a device
+uploads (`StepArrays`), how a logit index may be picked on the device (`Pick`, `pick_words`),
+what a step returns (`StepOutput`), and the two ways a step fails (`StepRefused`,
+`DeviceFault`). Neutral ground: the engine's loop and the drivers both import it, and it
+imports neither.
 """
 
 from __future__ import annotations
@@ -37,16 +38,58 @@ class Pick:
         return self.stream.uniform(self.first + j)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, frozen=True)
 class RowWork:
     """One row's share of a step: tokens at consecutive positions from `start`."""
 
-    row: int  # the row's slot, as opened with open_row
+    row: int  # the row's slot, as opened by a step plan's RowOpen
     tokens: np.ndarray  # int32 token ids to feed
     start: int  # position of tokens[0]
     block_table: list[int]  # physical blocks of positions 0.. (covers start + len(tokens))
     num_logits: int  # logits wanted for the last num_logits positions (0: mid-prefill chunk)
     pick: Pick | None = None  # set: the row's tokens may be picked by the driver; None: host logits
+
+
+@dataclass(slots=True, frozen=True)
+class RowOpen:
+    """A sequence took `row`; its block table is fixed until the row is closed (the whole
+    max_tokens is reserved at open), so a device may keep it resident."""
+
+    row: int
+    block_table: tuple[int, ...]
+
+
+@dataclass(slots=True, frozen=True)
+class StepPlan:
+    """Everything a driver hears of one step, and nothing reaches it outside a plan: the rows
+    left since the last plan (`closes`, applied first), the rows taken since (`opens`), and
+    the rows that compute (`rows`). A plan with no rows only opens and closes. Applying a
+    plan's opens and closes twice is the same as once, so the engine sends them again after
+    a refused step."""
+
+    rows: tuple[RowWork, ...] = ()
+    opens: tuple[RowOpen, ...] = ()
+    closes: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "rows", tuple(self.rows))
+        object.__setattr__(self, "opens", tuple(RowOpen(o.row, tuple(o.block_table)) if isinstance(o, RowOpen)
+                                                else RowOpen(o[0], tuple(o[1])) for o in self.opens))
+        object.__setattr__(self, "closes", tuple(self.closes))
+
+    @classmethod
+    def opening(cls, tables: dict[int, list[int]], rows=()) -> StepPlan:
+        """A plan that opens each row of `tables` with its block table (and runs `rows`)."""
+        return cls(tuple(rows), tuple(RowOpen(r, tuple(t)) for r, t in tables.items()))
+
+    @classmethod
+    def closing(cls, rows) -> StepPlan:
+        """A plan that only closes `rows`."""
+        return cls(closes=tuple(rows))
+
+    def open_after(self, open_rows) -> set[int]:
+        """The rows open once this plan's closes and opens are applied to `open_rows`."""
+        return (set(open_rows) - set(self.closes)) | {o.row for o in self.opens}
 
 
 # A picked logit index's words in StepArrays.picks (uint32 each): how (host, greedy or
@@ -101,7 +144,7 @@ class StepArrays:
 
 def step_arrays(batch: list[RowWork], block_size: int, tables: np.ndarray | None, picks: bool = True) -> StepArrays:
     """The flat arrays of a batch, vectorized over its tokens. `tables` holds each open row's
-    block table (rows, blocks), as told by open_row; None for a family without KV blocks
+    block table (rows, blocks), as step plans opened them; None for a family without KV blocks
     (recurrent state), whose slots are -1. `picks` False: the host picks every row."""
     n = len(batch)
     counts = np.fromiter((len(w.tokens) for w in batch), np.int64, n)

@@ -134,11 +134,13 @@ def test_non_streaming_hang_up_ends_within_one_step(target, client: Client, prob
 def hang_up_non_streaming(client: Client, probes: Probes, max_tokens: int) -> float:
     """Engine steps between a non-streaming request's hang-up, a few tokens in, and its release."""
     body = client.body(unique_text(20), **probes.long_params(max_tokens))
-    generated = client.metrics().get("generation_tokens_total", 0.0)
+    steps = client.metric("engine_steps_total")
     request = RawRequest(client.base_url, "/v1/completions", body, api_key=client.api_key)
     try:
         wait_running(client, 1)
-        client.wait_until(lambda s: s.get("generation_tokens_total", 0) > generated, 10, "the first token")
+        # Two steps: its prompt's and a first decoding one (a server's token counters may move
+        # only when a request ends, its step counter moves as it runs).
+        client.wait_until(lambda s: s.get("engine_steps_total", 0) >= steps + 2, 10, "its first decoding step")
         time.sleep(0.02)  # let it decode a few tokens
         return steps_until_released(client, request.close, 0, "non-streaming")
     finally:

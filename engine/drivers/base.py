@@ -3,14 +3,17 @@
 A driver prepares every entry its steps will use once, in `prepare(plan, model)`, and counts
 each build as a compile; a step never builds another, whatever the batch looks like.
 
-What the engine tells a driver, and when:
-- `open_row(row, block_table)` once when a sequence takes a row: its block table never
-  changes afterwards (the whole max_tokens is reserved at open), so a device keeps it
-  resident, and a recurrent family starts the row from zero state here.
-- `step(batch)` once per step. The base class turns the batch into flat arrays sized to the
-  plan (`StepArrays`: tokens, positions, KV slots, sequence lengths, logit indices), so a
-  device uploads a handful of arrays once per step, whatever the rows.
-- `close_row(row)` once when the sequence leaves the row.
+What the engine tells a driver, and when: one `step(plan)` per step, nothing else. The plan
+(engine/step.py's `StepPlan`) carries
+- the rows left since the last plan (`closes`), which the base class applies first
+  (`_close_row`);
+- the rows taken since, each with its block table (`opens`), applied next (`_open_row`): a
+  block table never changes while its row is open (the whole max_tokens is reserved at open),
+  so a device keeps it resident, and a recurrent family starts the row from zero state here;
+- the rows that compute, which the base class turns into flat arrays sized to the plan
+  (`StepArrays`: tokens, positions, KV slots, sequence lengths, logit indices), so a device
+  uploads a handful of arrays once per step, whatever the rows. A plan with no rows only
+  opens and closes.
 
 What a step returns, per logit index: the token picked where the logits are, or the host
 logits (float32, the whole vocabulary). The engine marks each row whose tokens may be picked
@@ -51,9 +54,11 @@ from ..step import (
     PICK_WORDS,
     DeviceFault,
     Pick,
+    RowOpen,
     RowWork,
     StepArrays,
     StepOutput,
+    StepPlan,
     StepRefused,
     host_logits,
     marked_rows,
@@ -65,8 +70,8 @@ from .host_pick import pick_from_logits
 from .warm_up import warm_up
 
 # The step's types live in engine/step.py; named here too, for code that reaches them through the driver.
-__all__ = ["PICK_GREEDY", "PICK_HOST", "PICK_SAMPLE", "PICK_WORDS", "DeviceFault", "Driver", "Pick", "RowWork",
-           "StepArrays", "StepOutput", "StepRefused", "host_logits", "marked_rows", "pick_from_logits",
+__all__ = ["PICK_GREEDY", "PICK_HOST", "PICK_SAMPLE", "PICK_WORDS", "DeviceFault", "Driver", "Pick", "RowOpen",
+           "RowWork", "StepArrays", "StepOutput", "StepPlan", "StepRefused", "host_logits", "marked_rows", "pick_from_logits",
            "pick_words", "step_arrays"]
 
 
@@ -131,8 +136,10 @@ class Driver(ABC):
         that picks) the ids of the rows `step.picks` marks, `picked` saying which, and the
         other rows' logits."""
 
-    def open_row(self, row: int, block_table: list[int]) -> None:
-        """A sequence took `row` with this block table, fixed until close_row."""
+    def _open_row(self, row: int, block_table: tuple[int, ...]) -> None:
+        """A plan opened `row` with this block table, fixed until a plan closes it. A driver
+        that keeps more per row extends this; opening a row again with the same table must
+        leave it as one opening did (the engine resends a refused step's opens)."""
         self.open_rows[row] = list(block_table)
         if block_table:
             if self.tables is None:
@@ -142,16 +149,25 @@ class Driver(ABC):
             self.tables[row, : len(block_table)] = block_table[:width]
             self.tables[row, len(block_table):] = block_table[0]
 
-    def close_row(self, row: int) -> None:
+    def _close_row(self, row: int) -> None:
         self.open_rows.pop(row, None)
 
-    def step(self, batch: list[RowWork]) -> StepOutput:
+    def step(self, plan: StepPlan) -> StepOutput:
+        """Applies the plan's closes and opens, then runs its rows. Refused (StepRefused)
+        before any of it is applied where the plan does not fit."""
         if self.plan is None:
             raise StepRefused("the driver was not prepared")
-        armed = self.armed.take()
+        armed = self.armed.take() if plan.rows else None
         if armed == "refuse":
             raise StepRefused("injected: the driver refused the step")
-        self.check_batch(batch)
+        self.check_plan(plan)
+        for row in plan.closes:
+            self._close_row(row)
+        for opened in plan.opens:
+            self._open_row(opened.row, opened.block_table)
+        if not plan.rows:
+            return StepOutput([], np.zeros((0, 0), np.float32))
+        batch = list(plan.rows)
         arrays = step_arrays(batch, self.plan.block_size, self.tables, self.device_picks)
         try:
             out = self.run_step(arrays, batch)
@@ -169,13 +185,16 @@ class Driver(ABC):
         """Behind --fault-injection: the next step is refused or faults."""
         self.armed.arm(kind)
 
-    def check_batch(self, batch: list[RowWork]) -> None:
-        plan = self.plan
-        total = sum(len(w.tokens) for w in batch)
-        if len(batch) > plan.rows or total > plan.max_step_tokens:
-            raise StepRefused(f"step of {len(batch)} rows and {total} tokens exceeds the plan")
-        for w in batch:
-            if w.row not in self.open_rows:
+    def check_plan(self, plan: StepPlan) -> None:
+        limits = self.plan
+        total = sum(len(w.tokens) for w in plan.rows)
+        if len(plan.rows) > limits.rows or total > limits.max_step_tokens:
+            raise StepRefused(f"step of {len(plan.rows)} rows and {total} tokens exceeds the plan")
+        if any(not 0 <= o.row < limits.rows for o in plan.opens):
+            raise StepRefused(f"a plan opens a row outside 0..{limits.rows - 1}")
+        open_rows = plan.open_after(self.open_rows)
+        for w in plan.rows:
+            if w.row not in open_rows:
                 raise StepRefused(f"row {w.row} was not opened")
 
     def warm_up(self) -> None:

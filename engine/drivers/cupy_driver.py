@@ -279,16 +279,16 @@ class CupyDriver(Driver):
 
     # ---- rows ---------------------------------------------------------------------------
 
-    def open_row(self, row: int, block_table: list[int]) -> None:
-        super().open_row(row, block_table)
+    def _open_row(self, row: int, block_table: tuple[int, ...]) -> None:
+        super()._open_row(row, block_table)
         if self.tables is not None:
             self._put(self.device_tables[row], self.tables[row].astype(np.int32))
         for conv, ssm in self.state.values():  # a new sequence starts from zero state
             conv[row].fill(0)
             ssm[row].fill(0)
 
-    def close_row(self, row: int) -> None:
-        super().close_row(row)  # the device table row stays; it is rewritten when the row reopens
+    def _close_row(self, row: int) -> None:
+        super()._close_row(row)  # the device table row stays; it is rewritten when the row reopens
 
     # ---- the step -----------------------------------------------------------------------
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..plan import Plan
-from ..step import RowWork
+from ..step import RowWork, StepPlan
 
 
 def warm_up_shapes(plan: Plan) -> list[list[int]]:
@@ -32,10 +32,9 @@ def warm_up(driver) -> None:
     plan = driver.plan
     blocks = list(range(min(plan.blocks_for(plan.positions), plan.num_blocks))) if plan.num_blocks else []
     for shape in driver.progress.each("warm_up", "warm-up steps", warm_up_shapes(plan)):
-        for row in range(len(shape)):
-            driver.open_row(row, blocks)
+        rows = range(len(shape))
         try:
-            driver.step([RowWork(row, np.zeros(n, np.int32), 0, blocks, 1) for row, n in enumerate(shape)])
+            driver.step(StepPlan.opening({row: blocks for row in rows},
+                                         [RowWork(row, np.zeros(n, np.int32), 0, blocks, 1) for row, n in enumerate(shape)]))
         finally:
-            for row in range(len(shape)):
-                driver.close_row(row)
+            driver.step(StepPlan.closing(rows))

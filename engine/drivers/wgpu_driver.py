@@ -18,7 +18,7 @@ op, each op's kernel and bind groups as wgpu_ops.py implements it, and the pick 
 
 KV layout (the driver's own): per paged layer a K and a V buffer of float32, (slot, kv head,
 head_dim) with slot = block * block_size + offset. Recurrent state: per layer a conv buffer
-(row, d_conv - 1, d_inner) and an SSM buffer (row, d_inner, d_state), zeroed by open_row.
+(row, d_conv - 1, d_inner) and an SSM buffer (row, d_inner, d_state), zeroed when a plan opens the row.
 """
 
 from __future__ import annotations
@@ -209,7 +209,7 @@ class WgpuDriver(WgpuOps, Driver):
     def _caches(self, program, plan: Plan) -> None:
         """Each paged layer's K and V buffers, (slot, kv head, head_dim), and the rows' block
         tables; each recurrent layer's conv (row, d_conv - 1, d_inner) and SSM (row, d_inner,
-        d_state) state, zeroed by open_row."""
+        d_state) state, zeroed when a plan opens the row."""
         d = program.dims
         self.max_blocks = -(-plan.positions // plan.block_size)
         self.kv, self.state = {}, {}
@@ -295,8 +295,8 @@ class WgpuDriver(WgpuOps, Driver):
 
     # ---- rows ---------------------------------------------------------------------------
 
-    def open_row(self, row: int, block_table: list[int]) -> None:
-        super().open_row(row, block_table)
+    def _open_row(self, row: int, block_table: tuple[int, ...]) -> None:
+        super()._open_row(row, block_table)
         queue = self.device_.queue
         for conv, ssm in self.state.values():  # a new sequence starts from zero state
             queue.write_buffer(conv, row * self.conv_row_bytes, self.zero_state[: self.conv_row_bytes // 4])

@@ -174,7 +174,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
 """
 
 # Paged attention over mixed rows: one invocation per (token, head) reads its row's keys
-# 0..position through the row's block table (resident since open_row), online softmax,
+# 0..position through the row's block table (resident since its row was opened), online softmax,
 # nothing gathered. Q is pre-scaled. p: unused.
 ATTENTION = HEADER + """
 @group(0) @binding(2) var<storage, read> q: array<vec4<f32>>;

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from poot.engine import SamplingParams, sampler
-from poot.engine.drivers.base import RowWork
+from poot.engine.drivers.base import RowWork, StepPlan
 from poot.engine.drivers.cpu import CpuDriver
 from poot.engine.drivers.cupy_device import Probe
 from poot.engine.drivers.cupy_driver import CupyDriver
@@ -69,7 +69,7 @@ def mixed_steps(plan, rng, vocab, n_rows=5, avoid=()):
 def open_all(drivers, tables):
     for d in drivers:
         for row, t in enumerate(tables):
-            d.open_row(row, t)
+            d.step(StepPlan.opening({row: t}))
 
 
 def worst_relative(a: np.ndarray, b: np.ndarray) -> float:
@@ -91,7 +91,7 @@ def compare_logits(cpu, gpu, plan, vocab, seed, avoid=()):
     open_all((cpu, gpu), tables)
     worst = 0.0
     for batch in steps:
-        a, b = cpu.step(batch).logits, gpu.step(batch).logits
+        a, b = cpu.step(StepPlan(batch)).logits, gpu.step(StepPlan(batch)).logits
         assert a.shape == b.shape == (sum(w.num_logits for w in batch), vocab)
         if len(a):
             worst = max(worst, worst_relative(a, b))

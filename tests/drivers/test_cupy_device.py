@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from poot.engine.drivers import cupy_device, make_driver
-from poot.engine.drivers.base import DeviceFault, RowWork, StepRefused
+from poot.engine.drivers.base import DeviceFault, RowWork, StepPlan, StepRefused
 from poot.engine.drivers.cuda import reference as ref
 from poot.engine.drivers.cupy_device import NoDevice, Probe
 from poot.engine.drivers.cupy_driver import CupyDriver, half_words
@@ -158,8 +158,8 @@ def test_the_rocm_driver_prepares_and_launches_at_the_devices_wavefront():
     gpu.kernels.launch = lambda name, grid, block, args: (seen.append((name, block)), launch(name, grid, block, args))
     tables = [[0, 1]]
     for d in (cpu, gpu):
-        d.open_row(0, tables[0])
-    gpu.step([RowWork(0, np.arange(1, 6, dtype=np.int32), 0, tables[0], 1)])
+        d.step(StepPlan.opening({0: tables[0]}))
+    gpu.step(StepPlan([RowWork(0, np.arange(1, 6, dtype=np.int32), 0, tables[0], 1)]))
     assert ("paged_attention_f16", (256,)) in seen and ("rms_norm_f16", (256,)) in seen
 
 
@@ -179,7 +179,7 @@ def test_a_device_older_than_hopper_is_no_device():
 def failing_driver(error: BaseException, kernel: str):
     model = synthetic_llama(0)
     _, gpu, plan = pair(model)
-    gpu.open_row(0, [0])
+    gpu.step(StepPlan.opening({0: [0]}))
     launch = gpu.kernels.launch
 
     def broken(name, grid, block, args):
@@ -194,7 +194,7 @@ def failing_driver(error: BaseException, kernel: str):
 def test_a_refused_launch_is_a_refused_step():
     gpu = failing_driver(cupy_device.LaunchRefused("launch out of resources"), "paged_attention")
     with pytest.raises(StepRefused, match="LaunchRefused"):
-        gpu.step([RowWork(0, np.array([1], np.int32), 0, [0], 1)])
+        gpu.step(StepPlan([RowWork(0, np.array([1], np.int32), 0, [0], 1)]))
 
 
 def test_a_cuda_error_after_work_was_queued_is_a_device_fault(monkeypatch):
@@ -211,7 +211,7 @@ def test_a_cuda_error_after_work_was_queued_is_a_device_fault(monkeypatch):
         monkeypatch.setattr(cupy_device, "cuda_errors", lambda: (CUDARuntimeError,))
     gpu = failing_driver(CUDARuntimeError(700), "silu_mul")  # cudaErrorIllegalAddress, at the sync after it
     with pytest.raises(DeviceFault, match="CUDARuntimeError: cudaErrorIllegalAddress"):
-        gpu.step([RowWork(0, np.array([1], np.int32), 0, [0], 1)])
+        gpu.step(StepPlan([RowWork(0, np.array([1], np.int32), 0, [0], 1)]))
 
 
 class Coded(RuntimeError):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from poot.engine.drivers.base import Pick, RowWork
+from poot.engine.drivers.base import Pick, RowWork, StepPlan
 from poot.engine.drivers.cpu import CpuDriver
 from poot.engine.drivers.cupy_driver import CupyDriver
 from poot.engine.drivers.cupy_launch import signatures
@@ -82,13 +82,13 @@ def test_every_kernel_is_loaded_in_prepare_and_a_step_launches_the_programs_ops(
     tables, steps = mixed_steps(plan, np.random.default_rng(2), model.config.vocab_size)
     open_all((gpu,), tables)
     gpu.kernels.launches.clear()
-    gpu.step(steps[-1])
+    gpu.step(StepPlan(steps[-1]))
     layers = model.config.num_layers
     f = "_f16"
     assert gpu.kernels.launches == ["embed" + f] + ["rms_norm" + f, "rope_kv_write" + f, "paged_attention" + f,
                                                      "rms_norm" + f, "silu_mul" + f] * layers + ["final_norm" + f]
     for batch in with_picks(steps):
-        gpu.step(batch)
+        gpu.step(StepPlan(batch))
     assert gpu.compiles == built
 
 
@@ -125,11 +125,11 @@ def test_tokens_picked_on_the_device_are_the_host_samplers_from_the_same_logits(
     steps = with_picks(steps)
     open_all((cpu, gpu), tables)
     gpu.device_picks = False
-    full = [gpu.step(batch).logits for batch in steps]
+    full = [gpu.step(StepPlan(batch)).logits for batch in steps]
     gpu.device_picks = True
     picked = differ = edges = 0
     for batch, logits in zip(steps, full, strict=True):
-        out, on_cpu = gpu.step(batch), cpu.step(batch)
+        out, on_cpu = gpu.step(StepPlan(batch)), cpu.step(StepPlan(batch))
         want = host_picks(logits, batch)
         assert out.picked == on_cpu.picked == [w.pick is not None and w.num_logits > 0 for w in batch]
         host = np.array(want) < 0
@@ -156,17 +156,17 @@ def test_many_seeded_draws_are_the_host_samplers():
     tables, steps = mixed_steps(plan, np.random.default_rng(6), model.config.vocab_size, n_rows=8)
     open_all((gpu,), tables)
     for batch in steps[:-1]:
-        gpu.step(batch)
+        gpu.step(StepPlan(batch))
     last = steps[-1]
     gpu.device_picks = False
-    logits = gpu.step(last).logits
+    logits = gpu.step(StepPlan(last)).logits
     gpu.device_picks = True
     draws = mismatched = 0
     for params in PICKED[1:]:
         for k in range(8):
             batch = [RowWork(w.row, w.tokens, w.start, w.block_table, w.num_logits,
                              Pick(params, random_stream(1000 * k + w.row, k % 2), k)) for w in last]
-            got, want = gpu.step(batch).token_ids.tolist(), host_picks(logits, batch)
+            got, want = gpu.step(StepPlan(batch)).token_ids.tolist(), host_picks(logits, batch)
             draws += len(want)
             for i, (a, b) in enumerate(zip(got, want, strict=True)):
                 if a != b:
@@ -191,7 +191,7 @@ def test_a_step_picked_whole_reads_back_no_logits():
     tables, steps = mixed_steps(plan, np.random.default_rng(5), model.config.vocab_size)
     open_all((gpu,), tables)
     for batch in with_picks(steps, host_every=10**6):
-        out = gpu.step(batch)
+        out = gpu.step(StepPlan(batch))
         assert out.logits.shape == (0, model.config.vocab_size)
         if not any(w.num_logits for w in batch):  # a mid-prefill chunk: nothing to pick
             assert out.token_ids is None
@@ -224,10 +224,10 @@ def test_mamba_logits_match_the_numpy_drivers_within_fp16():
     for batch in steps:
         if isinstance(batch, str):
             for d in (cpu, gpu):
-                d.close_row(2)
-                d.open_row(2, [])
+                d.step(StepPlan.closing([2]))
+                d.step(StepPlan.opening({2: []}))
             continue
-        a, b = cpu.step(batch).logits, gpu.step(batch).logits
+        a, b = cpu.step(StepPlan(batch)).logits, gpu.step(StepPlan(batch)).logits
         assert a.shape == b.shape
         worst = max(worst, worst_relative(a, b))
         assert greedy_agrees(a, b, TOLERANCE["f16"])
@@ -303,9 +303,9 @@ def test_on_the_device_logits_and_picks_match(seed, sizes, wtype):
     same = total = 0
     for batch in steps:
         gpu.device_picks = False
-        logits = gpu.step(batch).logits
+        logits = gpu.step(StepPlan(batch)).logits
         gpu.device_picks = True
-        out = gpu.step(batch)
+        out = gpu.step(StepPlan(batch))
         if out.token_ids is None:
             continue
         want = host_picks(logits, batch)
@@ -330,7 +330,7 @@ def test_on_the_device_mamba_matches_the_numpy_driver():
     worst = 0.0
     for batch in ([RowWork(r, p, 0, [], 1) for r, p in enumerate(prompts)],
                   [RowWork(r, p[:2], len(p), [], 2) for r, p in enumerate(prompts)]):
-        a, b = cpu.step(batch).logits, gpu.step(batch).logits
+        a, b = cpu.step(StepPlan(batch)).logits, gpu.step(StepPlan(batch)).logits
         worst = max(worst, worst_relative(a, b))
         assert greedy_agrees(a, b, TOLERANCE["f16"])
     print(f"device mamba: worst |logit diff| / max |logit| = {worst:.2e}")

@@ -17,7 +17,7 @@ import pytest
 
 from poot.engine.params import SamplingParams
 from poot.engine.random_stream import RandomStream
-from poot.engine.step import Pick, RowWork
+from poot.engine.step import Pick, RowWork, StepPlan
 
 pytestmark = [pytest.mark.realmodel]
 
@@ -64,13 +64,13 @@ def test_smollm2_logits_and_greedy_continuations_match_the_numpy_driver(smollm2,
     tables = [list(range(i * per_row, (i + 1) * per_row)) for i in range(len(prompts))]
     for d in (cpu, gpu):
         for row, table in enumerate(tables):
-            d.open_row(row, table)
+            d.step(StepPlan.opening({row: table}))
 
     # One mixed step: every prompt prefilled at once, rows of different lengths.
     first = [RowWork(r, p, 0, tables[r], 1) for r, p in enumerate(prompts)]
-    ref = cpu.step(first).logits
+    ref = cpu.step(StepPlan(first)).logits
     gpu.device_picks = False
-    got = gpu.step(first).logits
+    got = gpu.step(StepPlan(first)).logits
     scale = float(np.abs(ref).max())
     worst = float(np.abs(got - ref).max())
     print(f"\nSmolLM2 prefill logits, {len(prompts)} rows: max |{backend} - numpy| = {worst:.4f} "
@@ -88,8 +88,8 @@ def test_smollm2_logits_and_greedy_continuations_match_the_numpy_driver(smollm2,
                      for r in range(len(prompts))]
         batch_gpu = [RowWork(r, np.asarray(theirs[r][-1:], np.int32), len(prompts[r]) + k - 1, tables[r], 1,
                              Pick(greedy, RandomStream(0), k)) for r in range(len(prompts))]
-        logits = cpu.step(batch_cpu).logits
-        out = gpu.step(batch_gpu)
+        logits = cpu.step(StepPlan(batch_cpu)).logits
+        out = gpu.step(StepPlan(batch_gpu))
         assert all(out.picked)
         for r in range(len(prompts)):
             ours[r].append(int(np.argmax(logits[r])))

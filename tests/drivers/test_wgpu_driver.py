@@ -14,7 +14,7 @@ import pytest
 
 from poot.engine import SamplingParams
 from poot.engine.drivers import StepRefused, make_driver
-from poot.engine.drivers.base import DeviceFault, Pick, RowWork
+from poot.engine.drivers.base import DeviceFault, Pick, RowWork, StepPlan
 from poot.engine.models.synthetic import synthetic_llama
 from poot.engine.plan import fit_plan
 from poot.engine.random_stream import philox4x32, random_stream
@@ -72,9 +72,9 @@ def mixed_steps(plan, rng, vocab, n_rows=5):
 def run_both(cpu, gpu, tables, steps):
     for d in (cpu, gpu):
         for row, t in enumerate(tables):
-            d.open_row(row, t)
+            d.step(StepPlan.opening({row: t}))
     for batch in steps:
-        yield cpu.step(batch).logits, gpu.step(batch).logits
+        yield cpu.step(StepPlan(batch)).logits, gpu.step(StepPlan(batch)).logits
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -148,15 +148,15 @@ def test_tokens_picked_on_the_device_are_the_hosts_picks_from_the_same_logits(ba
     steps = with_picks(steps)
     for d in (cpu, gpu):
         for row, t in enumerate(tables):
-            d.open_row(row, t)
+            d.step(StepPlan.opening({row: t}))
     full = []
     gpu.device_picks = False
     for batch in steps:
-        full.append(gpu.step(batch).logits)
+        full.append(gpu.step(StepPlan(batch)).logits)
     gpu.device_picks = True
     marked_somewhere = 0
     for batch, logits in zip(steps, full, strict=True):
-        out, on_cpu = gpu.step(batch), cpu.step(batch)
+        out, on_cpu = gpu.step(StepPlan(batch)), cpu.step(StepPlan(batch))
         want = host_picks(logits, batch)
         assert out.token_ids.tolist() == want == on_cpu.token_ids.tolist()
         assert out.picked == on_cpu.picked == [w.pick is not None and w.num_logits > 0 for w in batch]
@@ -173,19 +173,19 @@ def test_many_seeded_draws_on_the_device_are_the_hosts():
     _, gpu, plan = pair(model)
     tables, steps = mixed_steps(plan, np.random.default_rng(6), model.config.vocab_size, n_rows=plan.rows)
     for row, t in enumerate(tables):
-        gpu.open_row(row, t)
+        gpu.step(StepPlan.opening({row: t}))
     for batch in steps[:-1]:  # the prompts, prefilled, then one decode step of every row
-        gpu.step(batch)
+        gpu.step(StepPlan(batch))
     last = steps[-1]  # every row decodes again, one of them verifying 4 tokens
     gpu.device_picks = False
-    logits = gpu.step(last).logits
+    logits = gpu.step(StepPlan(last)).logits
     gpu.device_picks = True
     draws = 0
     for params in PICKED[1:]:
         for k in range(25):
             batch = [RowWork(w.row, w.tokens, w.start, w.block_table, w.num_logits,
                              Pick(params, random_stream(1000 * k + w.row, k % 2), k)) for w in last]
-            assert gpu.step(batch).token_ids.tolist() == host_picks(logits, batch), (params, k)
+            assert gpu.step(StepPlan(batch)).token_ids.tolist() == host_picks(logits, batch), (params, k)
             draws += len(batch)
     assert draws >= 5 * 25 * 2
 
@@ -196,9 +196,9 @@ def test_a_step_picked_whole_on_the_device_reads_back_no_logits():
     tables, steps = mixed_steps(plan, np.random.default_rng(5), model.config.vocab_size)
     steps = with_picks(steps, host_every=10**6)
     for row, t in enumerate(tables):
-        gpu.open_row(row, t)
+        gpu.step(StepPlan.opening({row: t}))
     for batch in steps:
-        out = gpu.step(batch)
+        out = gpu.step(StepPlan(batch))
         assert out.logits.shape == (0, model.config.vocab_size)
         assert len(out.token_ids) == sum(w.num_logits for w in batch) and (out.token_ids >= 0).all()
         assert out.picked == [w.num_logits > 0 for w in batch]
@@ -213,7 +213,7 @@ def test_compiles_happen_in_prepare_only():
     for _ in run_both(cpu, gpu, tables, steps):
         pass
     for batch in with_picks(steps):  # the device's picking was prepared too
-        gpu.step(batch)
+        gpu.step(StepPlan(batch))
     assert gpu.compiles == built
 
 
@@ -248,16 +248,16 @@ def test_a_device_error_is_a_fault_not_a_crash():
     needs("vulkan")
     driver = WgpuDriver("vulkan")
     plan = prepared(driver, synthetic_llama(0))
-    driver.open_row(0, [0])
+    driver.step(StepPlan.opening({0: [0]}))
 
     def broken(step, batch):
         raise driver.wgpu.GPUValidationError("lost")
 
     driver.run_step = broken
     with pytest.raises(DeviceFault, match="GPUValidationError"):
-        driver.step([RowWork(0, np.array([1], np.int32), 0, [0], 1)])
+        driver.step(StepPlan([RowWork(0, np.array([1], np.int32), 0, [0], 1)]))
     with pytest.raises(StepRefused, match="not opened"):
-        driver.step([RowWork(plan.rows - 1, np.array([1], np.int32), 0, [0], 1)])
+        driver.step(StepPlan([RowWork(plan.rows - 1, np.array([1], np.int32), 0, [0], 1)]))
 
 
 def test_vulkan_without_a_vulkan_adapter_fails_start_up_saying_what_to_install(monkeypatch):
@@ -338,11 +338,11 @@ def test_smollm2_logits_and_greedy_tokens_equal_the_numpy_drivers(smollm2):
         ids = np.array(smollm2.encode_prompt(text), np.int32)
         table = list(range(row * 8, row * 8 + plan.blocks_for(len(ids) + 8)))
         for d in (cpu, gpu):
-            d.open_row(row, table)
+            d.step(StepPlan.opening({row: table}))
         feed, start, picked = ids, 0, {"cpu": [], "gpu": []}
         for _ in range(5):
-            a = cpu.step([RowWork(row, feed, start, table, 1)]).logits[0]
-            b = gpu.step([RowWork(row, feed, start, table, 1)]).logits[0]
+            a = cpu.step(StepPlan([RowWork(row, feed, start, table, 1)])).logits[0]
+            b = gpu.step(StepPlan([RowWork(row, feed, start, table, 1)])).logits[0]
             worst = max(worst, float(np.abs(a - b).max()))
             np.testing.assert_allclose(b, a, atol=1e-3, rtol=0)
             picked["cpu"].append(int(a.argmax()))
@@ -367,12 +367,12 @@ def test_smollm2_tokens_picked_on_the_device_equal_the_numpy_drivers(smollm2):
     tables = [list(range(r * 8, r * 8 + plan.blocks_for(len(p) + 8))) for r, p in enumerate(prompts)]
     for d in (cpu, gpu):
         for r, t in enumerate(tables):
-            d.open_row(r, t)
+            d.step(StepPlan.opening({r: t}))
     feeds, starts, picked = list(prompts), [0] * 3, [[] for _ in prompts]
     for k in range(4):
         batch = [RowWork(r, feeds[r], starts[r], tables[r], 1, Pick(rules[r], random_stream(42, r), k))
                  for r in range(3)]
-        a, b = cpu.step(batch).token_ids, gpu.step(batch).token_ids
+        a, b = cpu.step(StepPlan(batch)).token_ids, gpu.step(StepPlan(batch)).token_ids
         assert b.tolist() == a.tolist(), k
         for r in range(3):
             picked[r].append(int(a[r]))

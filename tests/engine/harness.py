@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from poot.engine import Engine, SamplingParams
-from poot.engine.drivers.base import RowWork
+from poot.engine.drivers.base import RowWork, StepPlan
 from poot.engine.drivers.cpu import CpuDriver
 from poot.engine.events import Accepted, Finished, Rejected, Tokens
 from poot.engine.models.synthetic import synthetic_llama
@@ -100,7 +100,7 @@ def feed_steps(driver, rows: list[int], steps: list[list[tuple[int, list[int]]]]
     per_row = plan.blocks_for(plan.positions)
     fed = {}
     for row in rows:
-        driver.open_row(row, list(range(row * per_row, (row + 1) * per_row)))
+        driver.step(StepPlan.opening({row: list(range(row * per_row, (row + 1) * per_row))}))
         fed[row] = 0
     outs = []
     for step in steps:
@@ -108,7 +108,7 @@ def feed_steps(driver, rows: list[int], steps: list[list[tuple[int, list[int]]]]
         for row, tokens in step:
             batch.append(RowWork(row, np.array(tokens, np.int32), fed[row], driver.open_rows[row], len(tokens)))
             fed[row] += len(tokens)
-        outs.append(driver.step(batch).logits.copy())
+        outs.append(driver.step(StepPlan(batch)).logits.copy())
     for row in rows:
-        driver.close_row(row)
+        driver.step(StepPlan.closing([row]))
     return outs

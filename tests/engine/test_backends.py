@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant
 
 from poot.engine import SamplingParams
-from poot.engine.drivers.base import RowWork
+from poot.engine.drivers.base import RowWork, StepPlan
 from tests.backends import driver_factory, params
 
 from .harness import greedy, logit_tolerance, make_engine, run_until_idle, submit
@@ -47,13 +47,13 @@ def test_chunked_prefill_equals_one_shot(backend):
     table = list(range(plan.blocks_for(len(prompt))))
 
     def logits(chunk):
-        driver.open_row(0, table)
+        driver.step(StepPlan.opening({0: table}))
         out = None
         for start in range(0, len(prompt), chunk):
             piece = prompt[start : start + chunk]
             last = start + len(piece) == len(prompt)
-            out = driver.step([RowWork(0, piece, start, table, 1 if last else 0)])
-        driver.close_row(0)
+            out = driver.step(StepPlan([RowWork(0, piece, start, table, 1 if last else 0)]))
+        driver.step(StepPlan.closing([0]))
         return out.logits[0]
 
     one_shot = logits(len(prompt))
@@ -117,10 +117,10 @@ def run_mixed(backend, device_picks: bool, requests=MIXED):
     engine = make_engine(driver_class=functools.partial(driver_factory(backend), device_picks=device_picks))
     inner, mixed = engine.driver.step, []
 
-    def step(batch):
-        kinds = {w.pick is not None for w in batch if w.num_logits}
+    def step(plan):
+        kinds = {w.pick is not None for w in plan.rows if w.num_logits}
         mixed.append(kinds == {True, False})
-        return inner(batch)
+        return inner(plan)
 
     engine.driver.step = step
     recs = [submit(engine, prompt, params)[0] for prompt, params in requests]
@@ -157,7 +157,8 @@ def test_the_plan_names_the_backend_and_its_adapter(backend):
 
 def test_the_state_machine_holds(backend):
     """The loop's state machine on this backend, with the driver's side of it: the rows it
-    was told are open are exactly the running requests' rows, each with its block table."""
+    was told are open, with the changes the next step plan carries, are exactly the running
+    requests' rows, each with its block table."""
     factory = driver_factory(backend)
 
     class OnBackend(LoopMachine):
@@ -169,7 +170,10 @@ def test_the_state_machine_holds(backend):
         @invariant()
         def the_driver_knows_the_open_rows(self):
             running = {q.row: q.block_table for q in self.engine.scheduler.running}
-            assert self.engine.driver.open_rows == running
+            opens, closes = self.engine.row_changes.pending()
+            told = {row: table for row, table in self.engine.driver.open_rows.items() if row not in closes}
+            told.update({o.row: list(o.block_table) for o in opens})
+            assert told == running
 
     OnBackend.TestCase.settings = settings(max_examples=30, stateful_step_count=15,
                                            deadline=None, suppress_health_check=list(HealthCheck))

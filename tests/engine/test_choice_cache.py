@@ -22,7 +22,7 @@ from poot.engine.drivers.cpu.products.model_products import ModelProducts
 from poot.engine.drivers.cpu.runtime import shared
 from poot.engine.models import family
 from poot.engine.models.synthetic import synthetic_llama
-from poot.engine.step import RowWork
+from poot.engine.step import RowWork, StepPlan
 
 
 @pytest.fixture(scope="module")
@@ -42,12 +42,12 @@ def logits(engine: Engine, prompt: list[int]) -> np.ndarray:
     """The logits of a prompt's step, then of two decode steps, on row 0."""
     driver = engine.driver
     table = list(range(driver.plan.blocks_for(len(prompt) + 2)))
-    driver.open_row(0, table)
-    out = [driver.step([RowWork(0, np.array(prompt, np.int32), 0, table, 1)]).logits[0]]
+    driver.step(StepPlan.opening({0: table}))
+    out = [driver.step(StepPlan([RowWork(0, np.array(prompt, np.int32), 0, table, 1)])).logits[0]]
     for i in range(2):
         token = int(np.argmax(out[-1]))
-        out.append(driver.step([RowWork(0, np.array([token], np.int32), len(prompt) + i, table, 1)]).logits[0])
-    driver.close_row(0)
+        out.append(driver.step(StepPlan([RowWork(0, np.array([token], np.int32), len(prompt) + i, table, 1)])).logits[0])
+    driver.step(StepPlan.closing([0]))
     return np.stack(out)
 
 

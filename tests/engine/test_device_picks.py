@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from poot.engine import SamplingParams
-from poot.engine.drivers.base import Pick, RowWork
+from poot.engine.drivers.base import Pick, RowWork, StepPlan
 from poot.engine.drivers.cpu import CpuDriver
 from poot.engine.models.byte_tokenizer import EOS_ID
 from poot.engine.random_stream import random_stream
@@ -20,13 +20,13 @@ def marks(engine, requests):
     """Per request, each step's (outputs before the step, num_logits, its Pick) for its row."""
     inner, seen = engine.driver.step, {}
 
-    def step(batch):
+    def step(plan):
         by_row = {q.row: q for q in engine.scheduler.running}
-        for w in batch:
+        for w in plan.rows:
             if w.num_logits:
                 seq = by_row[w.row]
                 seen.setdefault(seq.request_id, []).append((len(seq.output), w.num_logits, w.pick))
-        return inner(batch)
+        return inner(plan)
 
     engine.driver.step = step
     handles = [submit(engine, prompt, params)[1] for prompt, params in requests]
@@ -76,12 +76,12 @@ def test_the_numpy_driver_returns_ids_for_marked_rows_and_logits_for_the_rest():
              for r, (p, n, pick) in enumerate(zip(prompts, (1, 3, 1, 2), (greedy_pick, None, sampled, None),
                                                   strict=True))]
     for r, t in enumerate(tables):
-        driver.open_row(r, t)
+        driver.step(StepPlan.opening({r: t}))
     driver.device_picks = False
-    full = driver.step(batch)
+    full = driver.step(StepPlan(batch))
     assert full.token_ids is None and len(full.logits) == 7
     driver.device_picks = True
-    out = driver.step(batch)
+    out = driver.step(StepPlan(batch))
     want = [int(np.argmax(full.logits[0])), -1, -1, -1, sample(full.logits[4], sampled.params, sampled.uniform(0)), -1, -1]
     assert out.token_ids.tolist() == want
     np.testing.assert_array_equal(out.logits, full.logits[[1, 2, 3, 5, 6]])
@@ -97,9 +97,10 @@ def test_a_steps_picked_field_names_the_rows_that_got_token_ids():
     engine.scheduler.draft_policy = make_draft_policy("ngram", min_ngram=1, full_rows=64)
     inner, seen = engine.driver.step, []
 
-    def step(batch):
-        out = inner(batch)
-        seen.append((batch, out))
+    def step(plan):
+        out = inner(plan)
+        if plan.rows:
+            seen.append((list(plan.rows), out))
         return out
 
     engine.driver.step = step

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from poot_mutants.engine_parts import NoLengthMask, SharedPosition
 
-from poot.engine.drivers.base import RowWork
+from poot.engine.drivers.base import RowWork, StepPlan
 from poot.engine.drivers.cpu import CpuDriver
 from poot.engine.models.synthetic import synthetic_llama
 from poot.engine.plan import fit_plan
@@ -25,11 +25,11 @@ def make_driver(cls=CpuDriver, compact=True):
 def run_alone(driver, tokens, table, chunk):
     """Prefill in chunks then return the logits after the whole prompt."""
     out = None
-    driver.open_row(0, table)
+    driver.step(StepPlan.opening({0: table}))
     for start in range(0, len(tokens), chunk):
         piece = tokens[start : start + chunk]
         last = start + len(piece) == len(tokens)
-        out = driver.step([RowWork(0, np.array(piece, np.int32), start, table, 1 if last else 0)])
+        out = driver.step(StepPlan([RowWork(0, np.array(piece, np.int32), start, table, 1 if last else 0)]))
     return out.logits[0]
 
 
@@ -49,14 +49,14 @@ def tables(plan, ps, extra=4):
 
 def mixed_run(driver, ps, tabs):
     """Row 0 prefills in one chunk while the others, already prefilled, decode one token."""
-    driver.open_row(0, tabs[0])
+    driver.step(StepPlan.opening({0: tabs[0]}))
     for i, (p, t) in enumerate(zip(ps[1:], tabs[1:], strict=True), start=1):
-        driver.open_row(i, t)
-        driver.step([RowWork(i, np.array(p[:-1], np.int32), 0, t, 0)])
+        driver.step(StepPlan.opening({i: t}))
+        driver.step(StepPlan([RowWork(i, np.array(p[:-1], np.int32), 0, t, 0)]))
     batch = [RowWork(0, np.array(ps[0], np.int32), 0, tabs[0], 1)]
     batch += [RowWork(i, np.array(p[-1:], np.int32), len(p) - 1, t, 1)
               for i, (p, t) in enumerate(zip(ps[1:], tabs[1:], strict=True), start=1)]
-    return driver.step(batch).logits
+    return driver.step(StepPlan(batch)).logits
 
 
 def test_each_row_in_a_mixed_batch_matches_its_logits_alone():
@@ -125,19 +125,19 @@ def test_compiled_kernels_and_the_numpy_path_give_the_same_logits(mkl, compact, 
     results = []
     for d in drivers:
         for i, (p, t) in enumerate(zip(ps, tabs, strict=True)):
-            d.open_row(i, t)
-            d.step([RowWork(i, np.array(p[: -22 if i == 0 else -9], np.int32), 0, t, 0)])
+            d.step(StepPlan.opening({i: t}))
+            d.step(StepPlan([RowWork(i, np.array(p[: -22 if i == 0 else -9], np.int32), 0, t, 0)]))
         # 32 tokens in all: MKL's products need no padding, so the residual adds go in place.
         batch = [RowWork(0, np.array(ps[0][-22:], np.int32), len(ps[0]) - 22, tabs[0], 9),  # a chunk: causal tiles
                  RowWork(1, np.array(ps[1][-9:-4], np.int32), len(ps[1]) - 9, tabs[1], 5),  # short: paged
                  RowWork(2, np.array(ps[2][-9:-7], np.int32), len(ps[2]) - 9, tabs[2], 2)]
         batch += [RowWork(i, np.array(ps[i][-9:-8], np.int32), len(ps[i]) - 9, tabs[i], 1) for i in range(3, 6)]
-        mixed = d.step(batch).logits
+        mixed = d.step(StepPlan(batch)).logits
         # Then a step of paged queries only (the fused decode path): rows 3-5 decode their
         # next token, row 1 verifies its last four.
         batch = [RowWork(1, np.array(ps[1][-4:], np.int32), len(ps[1]) - 4, tabs[1], 4)]
         batch += [RowWork(i, np.array(ps[i][-8:-7], np.int32), len(ps[i]) - 8, tabs[i], 1) for i in range(3, 6)]
-        results.append(np.concatenate([mixed, d.step(batch).logits]))
+        results.append(np.concatenate([mixed, d.step(StepPlan(batch)).logits]))
     if not compact:
         np.testing.assert_allclose(results[0], results[1], atol=1e-4, rtol=1e-4)
         return

@@ -9,7 +9,7 @@ import pytest
 from poot_mutants.engine_parts import RegisterRecurrentPrefix, StaleRecurrentState
 
 from poot.engine import Engine, SamplingParams
-from poot.engine.drivers.base import RowWork
+from poot.engine.drivers.base import RowWork, StepPlan
 from poot.engine.drivers.cpu import CpuDriver
 from poot.engine.models.base import ModelLoadError
 from poot.engine.models.mamba import load_mamba_gguf
@@ -65,11 +65,11 @@ def make_driver(model=None, cls=CpuDriver, backend="numpy"):
 
 def prefill(driver, row, tokens, chunk=1000):
     out = None
-    driver.open_row(row, [])  # a new sequence: the row starts from zero state
+    driver.step(StepPlan.opening({row: []}))  # a new sequence: the row starts from zero state
     for start in range(0, len(tokens), chunk):
         piece = tokens[start : start + chunk]
         last = start + len(piece) == len(tokens)
-        out = driver.step([RowWork(row, np.array(piece, np.int32), start, [], 1 if last else 0)])
+        out = driver.step(StepPlan([RowWork(row, np.array(piece, np.int32), start, [], 1 if last else 0)]))
     return out.logits[0]
 
 
@@ -94,7 +94,7 @@ def test_a_step_matches_the_token_by_token_reference(backend):
     # Then decoding, a token a step, from the state the prefill left.
     prefill(driver, 1, p[:5])
     for n in range(5, 12):
-        out = driver.step([RowWork(1, np.array([p[n]], np.int32), n, [], 1)])
+        out = driver.step(StepPlan([RowWork(1, np.array([p[n]], np.int32), n, [], 1)]))
         np.testing.assert_allclose(out.logits[0], reference[n], atol=TOLERANCE[backend], rtol=0)
 
 
@@ -106,7 +106,7 @@ def test_steps_of_any_shape_build_nothing_after_prepare(backend):
     for chunk in (1, 5, 64):
         for row, p in enumerate(ps):
             prefill(driver, row, p, chunk)
-    driver.step([RowWork(row, np.array([7], np.int32), len(p), [], 1) for row, p in enumerate(ps)])
+    driver.step(StepPlan([RowWork(row, np.array([7], np.int32), len(p), [], 1) for row, p in enumerate(ps)]))
     assert driver.compiles == built
 
 
@@ -124,13 +124,13 @@ def test_each_row_in_a_mixed_batch_matches_its_logits_alone(backend):
     driver, _ = make_driver(backend=backend)
     ps = prompts(2, 6)
     alone = [prefill(driver, 0, p) for p in ps]
-    driver.open_row(0, [])
+    driver.step(StepPlan.opening({0: []}))
     for i, p in enumerate(ps[1:], start=1):  # rows 1..5 prefill all but their last token
-        driver.open_row(i, [])
-        driver.step([RowWork(i, np.array(p[:-1], np.int32), 0, [], 0)])
+        driver.step(StepPlan.opening({i: []}))
+        driver.step(StepPlan([RowWork(i, np.array(p[:-1], np.int32), 0, [], 0)]))
     batch = [RowWork(0, np.array(ps[0], np.int32), 0, [], 1)]
     batch += [RowWork(i, np.array(p[-1:], np.int32), len(p) - 1, [], 1) for i, p in enumerate(ps[1:], start=1)]
-    np.testing.assert_allclose(driver.step(batch).logits, np.stack(alone), atol=TOLERANCE[backend], rtol=0)
+    np.testing.assert_allclose(driver.step(StepPlan(batch)).logits, np.stack(alone), atol=TOLERANCE[backend], rtol=0)
 
 
 @pytest.mark.parametrize("backend", params())

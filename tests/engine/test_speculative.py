@@ -16,6 +16,7 @@ from poot.engine.drivers.cpu import CpuDriver
 from poot.engine.models.synthetic import synthetic_llama
 from poot.engine.sampler import probabilities, sample
 from poot.engine.speculative import DraftPolicy, NgramPolicy, lookup, make_draft_policy
+from poot.engine.step import RowWork, StepPlan
 
 from .harness import greedy, make_engine, submit
 
@@ -389,12 +390,10 @@ def test_sampled_outputs_keep_the_target_distribution():
     probe = CpuDriver(memory_bytes=1 << 30)
     probe_engine = Engine.create(model, driver=probe)
     table = list(range(probe_engine.plan.blocks_for(len(prompt) + 8)))
-    probe.open_row(0, table)
+    probe.step(StepPlan.opening({0: table}))
 
     def next_p(ctx):
-        from poot.engine.drivers.base import RowWork
-
-        out = probe.step([RowWork(0, np.array(ctx, np.int32), 0, table, 1)])
+        out = probe.step(StepPlan([RowWork(0, np.array(ctx, np.int32), 0, table, 1)]))
         return probabilities(out.logits[0], params)
 
     exact: dict[tuple[int, ...], float] = {}

@@ -143,18 +143,18 @@ def test_block_product_matches_float32_product():
 
 
 def _decode(driver, model, prompt: list[int], steps: int) -> tuple[list[int], list[np.ndarray]]:
-    from poot.engine.step import RowWork
+    from poot.engine.step import RowWork, StepPlan
 
     table = list(range(driver.plan.blocks_for(len(prompt) + steps)))
-    driver.open_row(0, table)
-    out = driver.step([RowWork(0, np.array(prompt, np.int32), 0, table, 1)])
+    driver.step(StepPlan.opening({0: table}))
+    out = driver.step(StepPlan([RowWork(0, np.array(prompt, np.int32), 0, table, 1)]))
     tokens, logits = [], []
     for i in range(steps):
         token = int(np.argmax(out.logits[0]))
         tokens.append(token)
-        out = driver.step([RowWork(0, np.array([token], np.int32), len(prompt) + i, table, 1)])
+        out = driver.step(StepPlan([RowWork(0, np.array([token], np.int32), len(prompt) + i, table, 1)]))
         logits.append(np.asarray(out.logits[0]))
-    driver.close_row(0)
+    driver.step(StepPlan.closing([0]))
     return tokens, logits
 
 

@@ -21,7 +21,7 @@ PROMPT = "The capital of France is"
 
 def engine_last_logits(model, tokens: list[int]) -> np.ndarray:
     """Last-position logits from the engine's numpy driver: one row, one prefill chunk."""
-    from poot.engine.drivers.base import RowWork
+    from poot.engine.drivers.base import RowWork, StepPlan
     from poot.engine.drivers.cpu import CpuDriver
     from poot.engine.plan import fit_plan
 
@@ -29,8 +29,8 @@ def engine_last_logits(model, tokens: list[int]) -> np.ndarray:
     plan = fit_plan(driver.device(), model.config, 0, model.name)
     driver.prepare(plan, model)
     table = list(range(plan.blocks_for(len(tokens))))
-    driver.open_row(0, table)
-    out = driver.step([RowWork(0, np.array(tokens, np.int32), 0, table, 1)])
+    driver.step(StepPlan.opening({0: table}))
+    out = driver.step(StepPlan([RowWork(0, np.array(tokens, np.int32), 0, table, 1)]))
     return np.asarray(out.logits[0], dtype=np.float64)
 
 

@@ -66,10 +66,10 @@ def test_last_position_logits_match_the_reference_in_a_shared_batch(smollm2, eng
     captured = []
     inner = engine.driver.step
 
-    def capture(batch):
-        out = inner(batch)
+    def capture(plan):
+        out = inner(plan)
         offset = 0
-        for work in batch:
+        for work in plan.rows:
             if work.num_logits and work.start + len(work.tokens) in {len(p) for p in prompts}:
                 captured.append((tuple(work.tokens[-1:]), work.start + len(work.tokens),
                                  out.logits[offset + work.num_logits - 1].copy()))

@@ -8,7 +8,7 @@ import os
 import numpy as np
 
 from poot.engine import Engine
-from poot.engine.drivers.base import DeviceFault
+from poot.engine.drivers.base import DeviceFault, RowOpen
 from poot.engine.drivers.cpu import CpuDriver
 from poot.engine.params import InvalidRequest
 from poot.engine.prefix_cache import PrefixCache
@@ -194,11 +194,11 @@ class FollowsGrownTables(CpuDriver):
     to the driver again before the step (the reference never needs this: a table is fixed
     from open to close)."""
 
-    def step(self, batch):
-        for w in batch:
-            if len(w.block_table) != len(self.open_rows.get(w.row, ())):
-                self.open_row(w.row, w.block_table)
-        return super().step(batch)
+    def step(self, plan):
+        known = {**self.open_rows, **{o.row: o.block_table for o in plan.opens}}
+        grown = tuple(RowOpen(w.row, tuple(w.block_table)) for w in plan.rows
+                      if len(w.block_table) != len(known.get(w.row, ())))
+        return super().step(dataclasses.replace(plan, opens=plan.opens + grown))  # the later opening wins
 
 
 class PrefillOnlySteps(Scheduler):
@@ -357,7 +357,7 @@ class LaxStepCheck(CpuDriver):
     """Runs steps larger than the plan's budget instead of refusing them (the budget
     defects' steps would be refused otherwise, which hides them)."""
 
-    def check_batch(self, batch):
+    def check_plan(self, plan):
         pass
 
 

@@ -238,8 +238,8 @@ class CpuDriver(Driver):
             self._built()
         return host_logits(batch, np.ascontiguousarray(logits, dtype=np.float32))
 
-    def open_row(self, row: int, block_table: list[int]) -> None:
-        super().open_row(row, block_table)
+    def _open_row(self, row: int, block_table: tuple[int, ...]) -> None:
+        super()._open_row(row, block_table)
         if self.program.recurrent:
             self.start_fresh_row(row)
 
