@@ -374,8 +374,7 @@ class Engine:
                 self.row_changes.delivered()
             return [], None
         # Rows that need nothing but the sampler may be picked by the driver.
-        rows = tuple(replace(s.work, pick=self.picker.device_pick(s.seq)) if s.work.num_logits else s.work
-                     for s in scheduled)
+        rows = tuple(self._marked(s) for s in scheduled)
         began = time.perf_counter()
         try:
             out = self.driver.step(StepPlan(rows, *self.row_changes.pending()))
@@ -388,6 +387,13 @@ class Engine:
         self.step_tokens.observe(sum(len(s.work.tokens) for s in scheduled),
                                  decoding=any(not s.seq.prefilling for s in scheduled))
         return scheduled, out
+
+    def _marked(self, s: Scheduled) -> RowWork:
+        """The row's work, with how the driver may pick its tokens (None: the host needs its logits)."""
+        w = s.work
+        if not w.num_logits:
+            return w
+        return RowWork(w.row, w.tokens, w.start, w.block_table, w.num_logits, self.picker.device_pick(s.seq))
 
     def on_step_refused(self, scheduled: list[Scheduled], e: StepRefused) -> None:
         """Nothing ran: only this step's requests fail, their rows and blocks go back."""

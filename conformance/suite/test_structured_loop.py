@@ -112,6 +112,10 @@ BASELINE_EVENTS = 20  # events each running stream sends, on average, before the
 # a grammar compiled on the loop stalls every stream for the whole compile (0.65 s on Zen 4).
 GAP_TIMES = 8
 GAP_FLOOR_S = 0.4
+# Slow requests sent one after another, each a new schema: a stall that depends on where the
+# compile's hold on a lock falls against the streams' turns (vLLM's: 0.29-0.99 s over three
+# tries) shows in one of them; a server that compiles where its loop waits fails the first.
+SLOW_TRIES = 3
 SLOW_DEADLINE_S = 300.0  # the slow request must end within this (a server that compiles very slowly)
 
 
@@ -229,16 +233,18 @@ def slow_arrival(client: Client, probes: Probes, facts: Facts) -> SlowArrival:
 @clause("structured/gap/1")
 def test_slow_schema_stalls_no_running_stream(client: Client, probes: Probes, facts: Facts, idle):
     warm_constrained(client)
-    seen = slow_arrival(client, probes, facts)
-    assert seen.gaps and seen.during, "the running streams sent no tokens while the slow request was served"
-    median = statistics.median(seen.gaps)
-    longest = max(seen.during)
-    allowed = max(GAP_TIMES * median, GAP_FLOOR_S)
-    assert longest <= allowed, \
-        (f"a running stream waited {longest:.2f} s for a token while a chat with a schema slow to compile "
-         f"({seen.kilobytes} KB, answered in {seen.ended - seen.sent:.2f} s) arrived; their median gap is "
-         f"{median * 1e3:.1f} ms (allowed {allowed:.2f} s: {GAP_TIMES} times that, at least {GAP_FLOOR_S} s): "
-         "the grammar was compiled or its matcher started where it holds every stream up")
+    for attempt in range(1, SLOW_TRIES + 1):
+        seen = slow_arrival(client, probes, facts)
+        assert seen.gaps and seen.during, "the running streams sent no tokens while the slow request was served"
+        median = statistics.median(seen.gaps)
+        longest = max(seen.during)
+        allowed = max(GAP_TIMES * median, GAP_FLOOR_S)
+        assert longest <= allowed, \
+            (f"a running stream waited {longest:.2f} s for a token while a chat with a schema slow to compile "
+             f"({seen.kilobytes} KB, answered in {seen.ended - seen.sent:.2f} s) arrived, on try {attempt} of "
+             f"{SLOW_TRIES}; their median gap is {median * 1e3:.1f} ms (allowed {allowed:.2f} s: {GAP_TIMES} times "
+             f"that, at least {GAP_FLOOR_S} s): the grammar was compiled or its matcher started where it holds "
+             "every stream up")
 
 
 # ---- structured/compile/1 ----------------------------------------------------------------------

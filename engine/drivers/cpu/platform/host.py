@@ -20,6 +20,14 @@ def host_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity, which a container or taskset narrows),
+    or every core where the platform cannot say."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def cpu_name() -> str:
     """The CPU as /proc/cpuinfo names it, with the cores this process may use: the plan
     names it, since the products are chosen by timing on it."""
@@ -32,7 +40,7 @@ def cpu_name() -> str:
                     break
     except OSError:
         pass
-    return f"{name}, {len(os.sched_getaffinity(0))} cores"
+    return f"{name}, {usable_cores()} cores"
 
 
 def blas_core() -> str:

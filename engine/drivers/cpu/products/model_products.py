@@ -6,13 +6,13 @@ where it loads. Built once per prepare; a step asks it for a product by the name
 from __future__ import annotations
 
 import logging
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import numpy as np
 
+from ..platform.host import usable_cores
 from ..runtime import Runtime
 from . import choice
 from .choice_cache import ChoiceCache, Stored, choice_key, now_utc
@@ -211,8 +211,7 @@ class ModelProducts:
 def layout_workers() -> int:
     """Threads that lay out weights while a driver prepares: one a core, at most 4 (each holds
     one matrix's temporaries)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(4, cores))
+    return max(1, min(4, usable_cores()))
 
 
 QUIET_PROBE_S = 0.25  # how long a start that found a choice made too busy to time watches the machine
