@@ -112,9 +112,9 @@ BASELINE_EVENTS = 20  # events each running stream sends, on average, before the
 # a grammar compiled on the loop stalls every stream for the whole compile (0.65 s on Zen 4).
 GAP_TIMES = 8
 GAP_FLOOR_S = 0.4
-# Slow requests sent one after another, each a new schema: a stall that depends on where the
-# compile's hold on a lock falls against the streams' turns (vLLM's: 0.29-0.99 s over three
-# tries) shows in one of them; a server that compiles where its loop waits fails the first.
+# Slow requests sent one after another, each a new schema: a stall that depends on where a
+# compile's hold on a lock falls against the streams' turns shows in one of them more often
+# than in a single try; a server that compiles where its loop waits fails the first.
 SLOW_TRIES = 3
 SLOW_DEADLINE_S = 300.0  # the slow request must end within this (a server that compiles very slowly)
 
