@@ -17,7 +17,7 @@ import glob
 import logging
 import sys
 
-from ..step import DeviceFault, RowWork, StepArrays, StepOutput, StepRefused
+from ..step import DeviceFault, RowOpen, RowWork, StepArrays, StepOutput, StepPlan, StepRefused
 from .base import Driver
 
 BACKENDS = ("auto", "numpy", "wgpu", "vulkan", "ptx", "rocm")
@@ -87,4 +87,5 @@ def _cuda_driver() -> tuple[Driver | None, str]:
         return None, " ".join(str(e).split())[:120] or type(e).__name__
 
 
-__all__ = ["BACKENDS", "DeviceFault", "Driver", "RowWork", "StepArrays", "StepOutput", "StepRefused", "make_driver"]
+__all__ = ["BACKENDS", "DeviceFault", "Driver", "RowOpen", "RowWork", "StepArrays", "StepOutput", "StepPlan", "StepRefused",
+           "make_driver"]
