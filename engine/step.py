@@ -71,10 +71,9 @@ class StepPlan:
     opens: tuple[RowOpen, ...] = ()
     closes: tuple[int, ...] = ()
 
-    def __post_init__(self) -> None:
+    def __post_init__(self) -> None:  # lists in, tuples kept: nothing a driver is handed can change
         object.__setattr__(self, "rows", tuple(self.rows))
-        object.__setattr__(self, "opens", tuple(RowOpen(o.row, tuple(o.block_table)) if isinstance(o, RowOpen)
-                                                else RowOpen(o[0], tuple(o[1])) for o in self.opens))
+        object.__setattr__(self, "opens", tuple(self.opens))
         object.__setattr__(self, "closes", tuple(self.closes))
 
     @classmethod

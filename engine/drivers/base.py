@@ -192,7 +192,7 @@ class Driver(ABC):
             raise StepRefused(f"step of {len(plan.rows)} rows and {total} tokens exceeds the plan")
         if any(not 0 <= o.row < limits.rows for o in plan.opens):
             raise StepRefused(f"a plan opens a row outside 0..{limits.rows - 1}")
-        open_rows = plan.open_after(self.open_rows)
+        open_rows = plan.open_after(self.open_rows) if plan.opens or plan.closes else self.open_rows
         for w in plan.rows:
             if w.row not in open_rows:
                 raise StepRefused(f"row {w.row} was not opened")
